@@ -1,0 +1,519 @@
+"""Typed configuration: TOML → frozen dataclasses.
+
+Every section is a frozen dataclass with defaults and a one-line comment per field. The loader
+(`load_config`, `config_from_dict`) walks the dataclass tree, so there are no string keys
+scattered through the code:
+
+* an unknown key is an error naming the nearest valid key (``difflib``);
+* a wrong type names the field, the expected type and the value;
+* a value outside its range or not among its choices names the field and the allowed values.
+
+Ranges and choices are declared next to the field with :func:`fld`. ``--set a.b=value`` on the
+CLI goes through :func:`apply_overrides`, which parses the value as a TOML literal (falling back to
+a bare string) and then through the same validation.
+
+Each module owns its section: data/features (``jdqn.data``), env/eval (``jdqn.env``,
+``jdqn.evaluate``), model (``jdqn.networks``/``jdqn.losses``), train/checkpoint/parallel/logging
+(``jdqn.train``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and what is allowed."""
+
+
+def fld(default: Any = dataclasses.MISSING, *, ge: float | None = None, le: float | None = None,
+        gt: float | None = None, lt: float | None = None, default_factory: Any = dataclasses.MISSING,
+        doc: str = "") -> Any:
+    """A dataclass field with an inclusive/exclusive numeric range checked by the loader."""
+    meta = {"ge": ge, "le": le, "gt": gt, "lt": lt, "doc": doc}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _tuple(*xs: Any) -> Any:
+    return field(default_factory=lambda: tuple(xs))
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Names of the input columns (ticks or OHLCV). Empty string = column absent."""
+
+    timestamp: str = "timestamp"  # timestamp column (ticks and OHLCV)
+    price: str = "price"  # trade price (ticks)
+    size: str = "size"  # trade size (ticks)
+    side: str = ""  # aggressor side (ticks, optional; 'B'/'A', 'buy'/'sell' or +1/-1)
+    open: str = "open"  # OHLCV
+    high: str = "high"
+    low: str = "low"
+    close: str = "close"
+    volume: str = "volume"
+    buy_volume: str = ""  # OHLCV, optional aggressor-buy volume
+    sell_volume: str = ""  # OHLCV, optional aggressor-sell volume
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """The seeded synthetic market (regimes, volatility clustering, informative order flow)."""
+
+    n_bars: int = fld(20_000, ge=200)  # bars to generate
+    seed: int = fld(0, ge=0)  # generator seed (independent of the training seed)
+    bar_seconds: int = fld(60, ge=1)  # nominal bar length
+    start_price: float = fld(4000.0, gt=0)
+    tick_size: float = fld(0.25, gt=0)
+    base_vol: float = fld(4e-4, gt=0)  # per-bar log-return volatility in the calm regime
+    signal_strength: float = fld(0.15, ge=0, le=1)  # predictive power of order flow for r[t+1]
+    regime_persistence: float = fld(0.995, ge=0, lt=1)  # P(stay in regime) per bar
+    garch_alpha: float = fld(0.08, ge=0, lt=1)  # volatility clustering
+    garch_beta: float = fld(0.9, ge=0, lt=1)
+    shuffle_returns: bool = False  # control: destroy all temporal structure (no signal)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["synthetic", "ticks", "ohlcv", "dbn"] = "synthetic"  # input kind
+    path: str = ""  # input file; 'builtin:es_ticks' = the ES sample shipped with the package
+    format: Literal["auto", "csv", "parquet"] = "auto"  # tables only; DBN is always DBN
+    columns: ColumnMap = field(default_factory=ColumnMap)
+    timestamp_format: str = ""  # '' = ISO-8601; 'unix_s'|'unix_ms'|'unix_us'|'unix_ns'; or strftime
+    timezone: str = "UTC"  # zone of naive timestamps in the input
+    skip_rows: int = fld(0, ge=0)  # rows to skip before the header (CSV)
+    bar_type: Literal["time", "volume", "dollar"] = "time"  # bars built from ticks/DBN
+    bar_size: str = "1min"  # time bars: 1s … 1d (e.g. '30s', '5min', '1h', '1d')
+    bar_threshold: float = fld(0.0, ge=0)  # volume (contracts) or dollar amount per bar
+    price_scale: float = fld(1.0, gt=0)  # multiply input prices by this (e.g. cents → dollars)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    cache_dir: str = ".jdqn_cache"  # feature cache folder ('' disables the cache)
+
+
+# --------------------------------------------------------------------------------------------
+# features
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeaturesConfig:
+    return_lags: tuple[int, ...] = _tuple(1, 2, 5, 10, 20)  # log returns over these many bars
+    vol_windows: tuple[int, ...] = _tuple(10, 30)  # realised-volatility windows (bars)
+    volume_z_window: int = fld(30, ge=2)  # volume z-score window
+    adx_period: int = fld(14, ge=2)  # Wilder ADX period
+    cusum_threshold: float = fld(2.0, gt=0)  # CUSUM threshold in units of realised vol
+    mtf_factors: tuple[int, ...] = _tuple(5, 15)  # multi-timeframe aggregates (× bar size)
+    ofi_window: int = fld(10, ge=1)  # rolling sum window for OFI / signed-volume features
+    ofi_levels: int = fld(10, ge=1, le=10)  # MBP-10 book levels used for multi-level OFI
+    time_of_day: bool = True  # sin/cos time-of-day encoding
+    normalisation: Literal["zscore", "robust"] = "robust"  # fitted on each fold's train window
+    clip: float = fld(5.0, gt=0)  # clip normalised features to ±clip
+    state_width: int = fld(128, ge=8)  # observation width (features + portfolio + padding)
+
+
+# --------------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizingConfig:
+    """Position-sizing chain; each factor has a permanent floor and can be switched off."""
+
+    conviction: bool = True  # scale by Q-gap conviction, clamped to [conviction_floor, 1]
+    conviction_floor: float = fld(0.25, gt=0, le=1)
+    variance: bool = True  # 1/(1+sqrt(Var[Q])), floored by conviction
+    kelly: bool = True  # Kelly cap from realised win rate/payoff after kelly_min_trades
+    kelly_min_trades: int = fld(20, ge=1)
+    kelly_floor: float = fld(0.25, gt=0, le=1)
+    cvar: bool = True  # CVaR scale from recent realised returns
+    cvar_alpha: float = fld(0.05, gt=0, lt=1)
+    cvar_floor: float = fld(0.25, gt=0, le=1)
+    min_share: float = fld(0.1, gt=0, le=1)  # realised ≥ min_share × intended, whatever the factors
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    n_envs: int = fld(256, ge=1)  # parallel episodes during training
+    episode_length: int = fld(512, ge=2)  # bars per training episode
+    max_position: float = fld(1.0, gt=0)  # contracts at 'full' magnitude
+    contract_multiplier: float = fld(50.0, gt=0)  # $ per point (ES = 50)
+    initial_equity: float = fld(250_000.0, gt=0)  # $; returns are relative to equity
+    tick_size: float = fld(0.25, gt=0)
+    spread_ticks: float = fld(1.0, ge=0)  # quoted spread; market orders pay half of it
+    slippage_ticks: float = fld(0.25, ge=0)  # extra per market-order contract
+    commission: float = fld(2.0, ge=0)  # $ per contract, taker
+    maker_fee: float = fld(0.5, ge=0)  # $ per contract, limit fills
+    holding_cost: float = fld(0.0, ge=0)  # $ per contract per bar
+    churn_penalty: float = fld(0.0, ge=0)  # reward units for a flip at 0 bars; graduated to 0
+    churn_window: int = fld(10, ge=1)  # flips within this many bars are penalised
+    opportunity_cost: float = fld(0.0, ge=0)  # × |Q-gap| while flat (training only)
+    limit_expiry: tuple[int, ...] = _tuple(1, 3, 10)  # bars a limit waits, per urgency level
+    reward_norm: Literal["robust", "popart", "none"] = "robust"
+    reward_iqr_floor: float = fld(1e-4, gt=0)  # IQR floor for the robust normaliser
+    reward_norm_decay: float = fld(0.999, gt=0, lt=1)  # EMA decay of normaliser statistics
+    sizing: SizingConfig = field(default_factory=SizingConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    width: int = fld(256, ge=4)  # trunk width (h_s1)
+    n_grn_blocks: int = fld(2, ge=0)  # gated residual blocks
+    n_experts: int = fld(8, ge=1)  # MoE experts K
+    expert_hidden: int = fld(64, ge=1)  # expert bottleneck (width → hidden → width)
+    gate_hidden: int = fld(64, ge=1)  # gate MLP hidden (state → hidden → K)
+    branch_sizes: tuple[int, ...] = _tuple(4, 3, 3, 3)  # direction, magnitude, order type, urgency
+    n_atoms: int = fld(51, ge=2)
+    v_min: float = -50.0
+    v_max: float = 50.0
+    iqn: bool = True  # IQN quantile head
+    iqn_embed: int = fld(64, ge=1)  # cosine basis functions
+    iqn_n: int = fld(8, ge=1)  # online quantile samples N
+    iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
+    matmul_dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of matmuls
+    impl: Literal["auto", "xla", "pallas"] = "auto"  # auto = pallas on GPU, xla elsewhere
+
+
+# --------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seeds: tuple[int, ...] = _tuple(0)  # one program, vmapped over seeds
+    n_folds: int = fld(3, ge=1)  # walk-forward folds
+    train_frac: float = fld(0.6, gt=0, lt=1)  # share of each fold's span used for training
+    purge_bars: int = fld(20, ge=0)  # gap between train and validation windows
+    test_frac: float = fld(0.2, gt=0, lt=1)  # final untouched test window share
+    epochs_per_fold: int = fld(10, ge=1)
+    patience: int = fld(4, ge=1)  # early stopping on validation Sharpe
+    collect_steps: int = fld(8, ge=1)  # K env steps per iteration
+    updates_per_iter: int = fld(4, ge=1)  # M gradient updates per iteration
+    iters_per_epoch: int = fld(50, ge=1)  # scan length of an epoch
+    batch_size: int = fld(256, ge=1)
+    gamma: float = fld(0.99, ge=0, le=1)
+    n_step: int = fld(3, ge=1)
+    lr: float = fld(3e-4, gt=0)
+    lr_warmup_steps: int = fld(200, ge=0)
+    lr_restart_period: int = fld(2000, ge=1)  # cosine warm-restart period (updates)
+    lr_min_ratio: float = fld(0.1, ge=0, le=1)
+    weight_decay: float = fld(1e-4, ge=0)
+    clip_norm: float = fld(10.0, gt=0)
+    tau: float = fld(0.005, gt=0, le=1)  # Polyak target update per step
+    replay_capacity: int = fld(100_000, ge=1)
+    min_replay: int = fld(1000, ge=1)  # transitions before updates start
+    per_alpha: float = fld(0.6, ge=0, le=1)
+    per_beta0: float = fld(0.4, ge=0, le=1)
+    per_beta_steps: int = fld(10_000, ge=1)
+    per_eps: float = fld(1e-6, gt=0)
+    exploration: Literal["epsilon", "boltzmann"] = "epsilon"
+    eps_start: float = fld(1.0, ge=0, le=1)
+    eps_end: float = fld(0.05, ge=0, le=1)
+    eps_decay_steps: int = fld(5000, ge=1)
+    temperature: float = fld(1.0, gt=0)  # Boltzmann
+    warmup_blend_steps: int = fld(500, ge=0)  # α ramps 0→1 over these updates (MSE → C51)
+    iqn_weight: float = fld(1.0, ge=0)
+    moe_lambda_floor: float = fld(0.01, ge=0)
+    moe_lambda_extra: float = fld(0.05, ge=0)
+    moe_entropy_target: float = fld(0.0, ge=0)  # 0 = 0.9·log K
+    moe_entropy_decay: float = fld(0.99, ge=0, lt=1)
+    shrink: float = fld(0.8, ge=0, le=1)  # shrink-and-perturb at fold boundaries
+    perturb: float = fld(0.01, ge=0)
+    finite_checks: bool = True  # halt naming the first non-finite tensor
+    q_drift_halt: bool = True  # reject a model whose |mean Q| explodes
+    q_drift_floor: float = fld(10.0, ge=0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    periods_per_year: float = fld(0.0, ge=0)  # 0 = derive from bar size and sessions
+    sessions_per_year: float = fld(252.0, gt=0)
+    session_hours: float = fld(23.0, gt=0, le=24)  # CME Globex ≈ 23 h
+    stride: int = fld(1, ge=1)  # evaluation subsampling stride (annualisation corrected)
+    momentum_lookback: int = fld(20, ge=1)
+    random_seed: int = fld(12345, ge=0)
+    baselines: tuple[str, ...] = _tuple("flat", "buy_and_hold", "momentum", "random")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    keep_best: int = fld(2, ge=1)  # best-N by validation Sharpe
+    keep_latest: int = fld(2, ge=1)
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    n_devices: int = fld(1, ge=0)  # 0 = all local devices
+    distributed: bool = False  # jax.distributed.initialize() for multi-host
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    progress: bool = True  # rich progress bar
+    tensorboard: bool = True
+    jsonl: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# loading and validation
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key} = {value!r} is not allowed; allowed values: "
+                              + ", ".join(repr(a) for a in allowed))
+        return value
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r} has the wrong type; expected {tp}")
+    if origin is tuple:
+        (elem,) = typing.get_args(tp)[:1]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r} has the wrong type; expected a list of "
+                              f"{_type_name(elem)}")
+        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table (section), got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} has the wrong type; expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r} has the wrong type; expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r} has the wrong type; expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r} has the wrong type; expected a string")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp}")  # a programming error
+
+
+def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    ge, le, gt, lt = meta.get("ge"), meta.get("le"), meta.get("gt"), meta.get("lt")
+    lo = f"[{ge}" if ge is not None else (f"({gt}" if gt is not None else "(-inf")
+    hi = f"{le}]" if le is not None else (f"{lt})" if lt is not None else "inf)")
+    bad = ((ge is not None and value < ge) or (le is not None and value > le)
+           or (gt is not None and value <= gt) or (lt is not None and value >= lt))
+    if bad or value != value:  # NaN is always out of range
+        raise ConfigError(f"{key} = {value!r} is out of range; allowed: {lo}, {hi}")
+
+
+def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in table.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in fields:
+            near = difflib.get_close_matches(k, list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean '{(prefix + '.') if prefix else ''}{near[0]}'?" if near else ""
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {valid})")
+        val = _coerce(v, hints[k], key)
+        if isinstance(val, tuple):
+            for i, x in enumerate(val):
+                _check_range(x, fields[k].metadata, f"{key}[{i}]")
+        else:
+            _check_range(val, fields[k].metadata, key)
+        kwargs[k] = val
+    obj = cls(**kwargs)
+    _validate(obj, prefix)
+    return obj
+
+
+def _validate(obj: Any, prefix: str) -> None:
+    """Cross-field checks that a single field's range cannot express."""
+    p = (prefix + ".") if prefix else ""
+    if isinstance(obj, ModelConfig):
+        if obj.v_min >= obj.v_max:
+            raise ConfigError(f"{p}v_min = {obj.v_min} must be < {p}v_max = {obj.v_max}")
+        if len(obj.branch_sizes) != 4 or any(b < 1 for b in obj.branch_sizes):
+            raise ConfigError(f"{p}branch_sizes = {list(obj.branch_sizes)}: need 4 positive sizes "
+                              "(direction, magnitude, order type, urgency)")
+        if obj.branch_sizes[0] != 4:
+            raise ConfigError(f"{p}branch_sizes[0] = {obj.branch_sizes[0]}: the direction branch "
+                              "has exactly 4 actions (short, hold, long, flat)")
+    if isinstance(obj, EnvConfig):
+        if len(obj.limit_expiry) != 3 or any(e < 1 for e in obj.limit_expiry):
+            raise ConfigError(f"{p}limit_expiry = {list(obj.limit_expiry)}: need 3 positive bar "
+                              "counts, one per urgency level")
+    if isinstance(obj, FeaturesConfig):
+        for name in ("return_lags", "vol_windows", "mtf_factors"):
+            vals = getattr(obj, name)
+            if any(v < 1 for v in vals):
+                raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
+    if isinstance(obj, TrainConfig):
+        if not obj.seeds:
+            raise ConfigError(f"{p}seeds is empty; give at least one seed")
+        if obj.train_frac + obj.test_frac >= 1:
+            raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
+    if isinstance(obj, EvalConfig):
+        allowed = {"flat", "buy_and_hold", "momentum", "random"}
+        for b in obj.baselines:
+            if b not in allowed:
+                raise ConfigError(f"{p}baselines: unknown baseline {b!r}; allowed: "
+                                  + ", ".join(sorted(allowed)))
+
+
+def config_from_dict(table: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (parsed TOML)."""
+    return _build(Config, table, "")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare string, e.g. --set data.source=ticks
+
+
+def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to a nested dict (returns a new dict)."""
+    import copy
+
+    out = copy.deepcopy(table)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=1e-3")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set {item!r}: empty key")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: '{p}' is not a section")
+        node[parts[-1]] = _parse_value(text.strip())
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config file, apply CLI overrides and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        table = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    table = apply_overrides(table, overrides or [])
+    try:
+        cfg = config_from_dict(table)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return resolve_paths(cfg, path.parent)
+
+
+def resolve_paths(cfg: Config, base: Path) -> Config:
+    """Make a relative data path relative to the config file's folder when it exists there."""
+    p = cfg.data.path
+    if p and not p.startswith("builtin:") and not Path(p).is_absolute():
+        cand = (base / p)
+        if cand.exists() and not Path(p).exists():
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(cand)))
+    return cfg
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """Dataclass → plain nested dict with lists (TOML-serialisable)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            out[f.name] = to_dict(v)
+        elif isinstance(v, tuple):
+            out[f.name] = list(v)
+        else:
+            out[f.name] = v
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if v == v else "nan"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dumps_toml(cfg: Config) -> str:
+    """Write the resolved config as TOML (round-trips through :func:`config_from_dict`)."""
+    lines: list[str] = []
+
+    def section(name: str, d: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        tables = {k: v for k, v in d.items() if isinstance(v, dict)}
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+        lines.append("")
+        for k, v in tables.items():
+            section(f"{name}.{k}", v)
+
+    for name, d in to_dict(cfg).items():
+        section(name, d)
+    return "\n".join(lines)
