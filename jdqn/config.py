@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jdqn.errors import JdqnError
 
-class ConfigError(ValueError):
+
+class ConfigError(JdqnError, ValueError):
     """A configuration problem; the message names the key and what is allowed."""
 
 

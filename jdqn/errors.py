@@ -1,0 +1,24 @@
+"""Errors that reach the user. The CLI prints their message on one line and exits with code 2.
+
+Every message names the thing (file, row, field, tensor, checkpoint) and the problem.
+"""
+
+
+class JdqnError(Exception):
+    """Base of every user-facing jdqn error."""
+
+
+class DataError(JdqnError, ValueError):
+    """Bad input data: missing column, NaN/non-positive price, bad timestamps, empty file, …"""
+
+
+class CacheError(DataError):
+    """A feature-cache file that cannot be used (foreign schema, corrupt)."""
+
+
+class CheckpointError(JdqnError):
+    """A checkpoint that cannot be restored (corrupt, foreign layout, missing)."""
+
+
+class TrainingHalted(JdqnError):
+    """Training stopped by a safety check (non-finite tensor, Q drift)."""
