@@ -1,0 +1,115 @@
+"""Command line: ``python -m jdqn.main --config PATH [--set k=v ...] [--output-dir DIR] [--resume]``.
+
+Runs the whole job: data → features → walk-forward training → test-window backtest → report.
+``--features-only`` stops after building (or loading) the features and prints what it built.
+
+User errors (bad config, bad data, unusable checkpoint, a safety halt) print one line
+``jdqn: error: …`` and exit with code 2; nothing is written over an existing run unless
+``--resume`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+from pathlib import Path
+
+from jdqn.config import Config, ConfigError, dumps_toml, load_config
+from jdqn.errors import JdqnError
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jdqn.main",
+        description="Train and evaluate a branching distributional DQN on futures bars.",
+    )
+    p.add_argument("--config", required=True, help="TOML config file (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--output-dir", default=None,
+                   help="run folder (default: runs/<config name>/<timestamp>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir from its latest checkpoint")
+    p.add_argument("--features-only", action="store_true",
+                   help="build (or load from cache) the bars and features, print a summary, stop")
+    return p
+
+
+def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> Path:
+    """Pick the run folder and refuse to overwrite an existing run without ``--resume``."""
+    if output_dir is None:
+        if resume:
+            raise ConfigError("--resume needs --output-dir naming the run to continue")
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return Path("runs") / Path(cfg_path).stem / stamp
+    out = Path(output_dir)
+    if resume:
+        if not (out / "config.toml").is_file():
+            raise ConfigError(f"--resume: {out} holds no run (no config.toml there)")
+    elif out.exists() and any(out.iterdir()):
+        raise ConfigError(f"output dir {out} already holds files; pass --resume to continue that "
+                          "run or choose another --output-dir")
+    return out
+
+
+def write_resolved_config(cfg: Config, out: Path, resume: bool) -> None:
+    """Write ``config.toml``; on resume, refuse a config that differs from the saved one."""
+    text = dumps_toml(cfg)
+    path = out / "config.toml"
+    if resume:
+        saved = path.read_text()
+        if saved != text:
+            raise ConfigError(f"--resume: the config differs from the one saved in {path}; "
+                              "resume with the same config and --set overrides")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def features_summary(cfg: Config) -> str:
+    from jdqn.data import load_or_build
+
+    bars, feats, hit = load_or_build(cfg)
+    lines = [
+        f"bars: {len(bars.close)} from {cfg.data.source}"
+        + (f" ({cfg.data.path})" if cfg.data.path else ""),
+        f"features: {feats.values.shape[1]} columns, warm-up {feats.warmup} bars, "
+        f"cache {'hit' if hit else 'built'}",
+        "  " + ", ".join(feats.names),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.features_only:
+            print(features_summary(cfg))
+            return 0
+        out = resolve_output_dir(args.config, args.output_dir, args.resume)
+        write_resolved_config(cfg, out, args.resume)
+        from jdqn.train.job import run_job
+
+        run_job(cfg, out, resume=args.resume)
+        print(f"run written to {out}")
+        return 0
+    except JdqnError as e:
+        print(f"jdqn: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("jdqn: interrupted", file=sys.stderr)
+        return 130
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    cli()

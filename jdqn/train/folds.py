@@ -1,0 +1,65 @@
+"""Walk-forward fold layout.
+
+The usable bars ``[warmup, T)`` are split into a pre-test span and a final untouched **test**
+window (the last ``test_frac`` of the span, after a purge gap). The last ``1 − train_frac`` of the
+pre-test span is cut into ``n_folds`` consecutive **validation** blocks; fold ``i`` trains on an
+*expanding* window from the first usable bar up to its validation block minus the purge gap:
+
+    |warm-up| train₀ ............|purge|val₀|
+    |warm-up| train₁ .................... |purge|val₁|
+    |warm-up| train₂ ............................. |purge|val₂| |purge| test |
+
+Every window is half-open ``[lo, hi)`` in bar indices. An episode never reads a bar outside its
+window, so train, validation and test never share a bar (the purge gap additionally keeps
+overlapping feature look-back windows out of the next window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jdqn.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Fold:
+    index: int
+    train: tuple[int, int]  # [lo, hi)
+    val: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class FoldPlan:
+    folds: tuple[Fold, ...]
+    test: tuple[int, int]
+
+
+MIN_WINDOW = 16  # bars; shorter windows cannot hold an episode plus a fill bar
+
+
+def plan_folds(n_bars: int, warmup: int, cfg: TrainConfig) -> FoldPlan:
+    """Split bars ``[warmup, n_bars)`` into walk-forward folds and a test window."""
+    usable = n_bars - warmup
+    purge = cfg.purge_bars
+    n_test = int(usable * cfg.test_frac)
+    test = (n_bars - n_test, n_bars)
+    pre_hi = test[0] - purge
+    pre = pre_hi - warmup
+    n_val_total = int(pre * (1.0 - cfg.train_frac))
+    val_len = n_val_total // cfg.n_folds
+    if n_test < MIN_WINDOW or val_len < MIN_WINDOW:
+        raise ConfigError(
+            f"{n_bars} bars (warm-up {warmup}) are too few for train.n_folds = {cfg.n_folds}, "
+            f"train.test_frac = {cfg.test_frac}, train.purge_bars = {purge}: the test window has "
+            f"{n_test} bars and each validation window {val_len} (need ≥ {MIN_WINDOW}); use more "
+            "data or fewer folds")
+    folds = []
+    for i in range(cfg.n_folds):
+        v_lo = pre_hi - (cfg.n_folds - i) * val_len
+        v_hi = v_lo + val_len
+        t_hi = v_lo - purge
+        if t_hi - warmup < MIN_WINDOW:
+            raise ConfigError(f"fold {i}: its train window has {t_hi - warmup} bars; reduce "
+                                  "train.n_folds or train.purge_bars, or use more data")
+        folds.append(Fold(i, (warmup, t_hi), (v_lo, v_hi)))
+    return FoldPlan(tuple(folds), test)
