@@ -1,0 +1,278 @@
+"""One epoch = one jitted call: ``lax.scan`` over (collect K steps on N envs → insert → M updates).
+
+    run_epoch ─ scan(iters_per_epoch) ─┬─ collect: scan(K) over env.step with per-branch exploration
+                                       ├─ n-step window → replay.add
+                                       └─ scan(M) over train_step (sample → loss → AdamW → Polyak
+                                          → priorities → finite checks)
+
+Nothing leaves the device inside an epoch: metrics are summed in the scan carry and returned
+once. The state is donated. Every schedule (learning rate, ε, PER β, warm-up blend α) is a
+function of a step counter inside the program, so nothing recompiles between epochs or folds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jdqn.env import core as env_core
+from jdqn.env.normalise import normalise_reward
+from jdqn.losses.total import Batch, total_loss, warmup_alpha
+from jdqn.networks.model import greedy_action, policy_aux
+from jdqn.replay import nstep as nstep_lib
+from jdqn.replay import per
+from jdqn.train import safety
+from jdqn.train.state import CHECKED_TENSORS, Learner, StepRecord, TrainState, Transition
+
+BRANCH_SIZES = env_core.BRANCH_SIZES
+
+
+# --------------------------------------------------------------------------------------------
+# acting
+# --------------------------------------------------------------------------------------------
+
+
+def epsilon(learner: Learner, collect_step: jax.Array) -> jax.Array:
+    """ε of per-branch ε-greedy: linear from eps_start to eps_end over eps_decay_steps."""
+    c = learner.cfg.train
+    frac = jnp.clip(collect_step.astype(jnp.float32) / c.eps_decay_steps, 0.0, 1.0)
+    return c.eps_start + frac * (c.eps_end - c.eps_start)
+
+
+def explore(learner: Learner, q: tuple[jax.Array, ...], key: jax.Array,
+            collect_step: jax.Array) -> jax.Array:
+    """Exploratory actions ``i32 [N, 4]`` from expected Q per branch ``[N, A_d]``.
+
+    ε-greedy: each branch independently takes a uniform random action with probability ε.
+    Boltzmann: each branch samples ``softmax(Q / temperature)``.
+    """
+    c = learner.cfg.train
+    keys = jax.random.split(key, 2 * len(q))
+    cols = []
+    for d, qd in enumerate(q):
+        n, a = qd.shape
+        if c.exploration == "boltzmann":
+            cols.append(jax.random.categorical(keys[2 * d], qd / c.temperature, axis=-1))
+        else:
+            rand = jax.random.randint(keys[2 * d], (n,), 0, a)
+            take = jax.random.uniform(keys[2 * d + 1], (n,)) < epsilon(learner, collect_step)
+            cols.append(jnp.where(take, rand, jnp.argmax(qd, axis=-1)))
+    return jnp.stack(cols, axis=-1).astype(jnp.int32)
+
+
+def greedy_policy(learner: Learner, params: Any, obs: jax.Array
+                  ) -> tuple[jax.Array, env_core.PolicyAux]:
+    """Deterministic evaluation policy: per-branch argmax of expected Q, plus the sizing aux."""
+    out = learner.net.apply(params, obs)
+    action = greedy_action(out)
+    gap, var = policy_aux(out, action[:, 0])
+    return action, env_core.PolicyAux(q_gap=gap, q_var=var)
+
+
+# --------------------------------------------------------------------------------------------
+# collection
+# --------------------------------------------------------------------------------------------
+
+
+def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
+            ) -> tuple[TrainState, StepRecord, dict[str, jax.Array]]:
+    """K exploratory steps on all N envs; returns the chunk ``[K, N]`` and summed statistics."""
+    k_steps = learner.cfg.train.collect_steps
+
+    def one(carry, _):
+        st = carry
+        key, k_act, k_reset = jax.random.split(st.key, 3)
+        obs = env_core.observe(env_params, st.env)
+        out = learner.net.apply(st.params, obs)
+        action = explore(learner, out.q, k_act, st.collect_step)
+        gap, var = policy_aux(out, action[:, 0])
+        env1, reward, done, info = env_core.step(env_params, st.env, action,
+                                                 env_core.PolicyAux(q_gap=gap, q_var=var))
+        norm, reward_n = normalise_reward(st.norm, reward)
+        rec = StepRecord(t=st.env.t, port=env_core.portfolio(env_params, st.env), action=action,
+                         reward=reward_n, done=done, next_t=env1.t,
+                         next_port=env_core.portfolio(env_params, env1))
+        env2 = env_core.auto_reset(env_params, env1, done, k_reset)
+        q_dir = out.q[0]
+        stats = {
+            "reward_raw": jnp.mean(reward),
+            "reward_norm": jnp.mean(reward_n),
+            "q_abs_mean": jnp.abs(jnp.mean(q_dir)),
+            "q_gap": jnp.mean(jnp.max(q_dir, -1) - jnp.min(q_dir, -1)),
+            "abs_intended": jnp.mean(jnp.abs(info["intended_position"])),
+            "abs_realised": jnp.mean(jnp.abs(info["position"])),
+            "size_scale": jnp.mean(info["size_scale"]),
+            "episodes_done": jnp.sum(done.astype(jnp.float32)),
+            "finite_rewards": jnp.all(jnp.isfinite(reward_n)),
+            "finite_logits": jnp.all(jnp.stack([jnp.all(jnp.isfinite(lg)) for lg in out.logits])),
+            **{f"action_{name}": jnp.mean(jax.nn.one_hot(action[:, i], BRANCH_SIZES[i]), 0)
+               for i, name in enumerate(env_core.BRANCH_NAMES)},
+        }
+        st = st.replace(env=env2, norm=norm, key=key, collect_step=st.collect_step + 1)
+        return st, (rec, stats)
+
+    state, (chunk, stats) = jax.lax.scan(one, state, None, length=k_steps)
+    finite = {k: jnp.all(stats.pop(k)) for k in ("finite_rewards", "finite_logits")}
+    summed = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)
+    summed.update(finite)
+    return state, chunk, summed
+
+
+def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
+                   ) -> tuple[TrainState, Transition, jax.Array]:
+    """n-step transitions ``[K·N]`` from the carry + chunk, and which of them are valid."""
+    c = learner.cfg.train
+    win, valid, carry = nstep_lib.window(state.nstep, chunk)
+    ns = nstep_lib.nstep_returns(win.reward, win.done, c.gamma, c.n_step)
+    k = chunk.reward.shape[0]
+    # Bootstrap from the recorded next-observation of step t + m − 1 (window row).
+    rows = jnp.arange(k, dtype=jnp.int32)[:, None] + ns.offsets - 1  # [K, N]
+    take = lambda x: jnp.take_along_axis(  # noqa: E731
+        x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
+    start = jax.tree.map(lambda x: x[:k], win)
+    tr = Transition(t=start.t, port=start.port, action=start.action, reward=ns.returns,
+                    discount=ns.discounts, next_t=take(win.next_t),
+                    next_port=take(win.next_port))
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tr)
+    return state.replace(nstep=carry), flat, valid.reshape(-1)
+
+
+def insert(state: TrainState, items: Transition, valid: jax.Array) -> TrainState:
+    """Add the transitions; invalid ones (an incomplete window at a fold start) get priority 0
+    so they are never sampled, and are overwritten in ring order like any other slot."""
+    cap = state.replay.capacity
+    n = valid.shape[0]
+    pos0 = state.replay.position
+    replay = per.add(state.replay, items)
+    slots = (pos0 + jnp.arange(n, dtype=jnp.int32)) % cap
+    if n > cap:
+        slots = (pos0 + jnp.arange(n - cap, n, dtype=jnp.int32)) % cap
+        valid = valid[n - cap:]
+    pr = jnp.where(valid, replay.priorities[slots], 0.0)
+    return state.replace(replay=replay.replace(priorities=replay.priorities.at[slots].set(pr)))
+
+
+# --------------------------------------------------------------------------------------------
+# learning
+# --------------------------------------------------------------------------------------------
+
+
+def per_beta(learner: Learner, update_step: jax.Array) -> jax.Array:
+    c = learner.cfg.train
+    frac = jnp.clip(update_step.astype(jnp.float32) / c.per_beta_steps, 0.0, 1.0)
+    return c.per_beta0 + frac * (1.0 - c.per_beta0)
+
+
+def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+               fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    """One prioritised gradient update: sample → loss → clip+AdamW → Polyak → priorities."""
+    c = learner.cfg.train
+    key, k_sample, k_loss = jax.random.split(state.key, 3)
+    sample = per.sample(state.replay, k_sample, c.batch_size, c.per_alpha,
+                        per_beta(learner, state.update_step))
+    it = sample.items
+    batch = Batch(obs=env_core.obs_from_index(env_params, it.t, it.port), action=it.action,
+                  reward=it.reward, discount=it.discount,
+                  next_obs=env_core.obs_from_index(env_params, it.next_t, it.next_port),
+                  weight=sample.weights)
+    alpha = warmup_alpha(state.update_step, c.warmup_blend_steps)
+    grad_fn = jax.value_and_grad(total_loss, has_aux=True)
+    (loss, (comps, per_sample, moe, diag)), grads = grad_fn(
+        state.params, state.target_params, batch, k_loss, state.moe, alpha,
+        net=learner.net, train_cfg=c)
+    updates, opt_state = learner.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    target = optax.incremental_update(params, state.target_params, c.tau)
+    replay = per.update(state.replay, sample.indices, per_sample + c.per_eps)
+    monitor = state.monitor
+    if c.finite_checks:
+        # Q statistics are computed from the online logits: non-finite logits make them NaN.
+        named = {"rewards": batch.reward, "logits": (diag["q_mean"], diag["q_std"]),
+                 "loss": loss, "grads": grads, "params": params}
+        monitor = safety.check_finite(monitor, {k: named[k] for k in CHECKED_TENSORS},
+                                      state.update_step, fold)
+    new = state.replace(params=params, target_params=target, opt_state=opt_state, replay=replay,
+                        moe=moe, monitor=monitor, key=key, update_step=state.update_step + 1)
+    metrics = {**{f"loss_{k}": v for k, v in comps.items()}, **diag,
+               "grad_norm": optax.global_norm(grads), "per_beta": per_beta(learner,
+                                                                            state.update_step),
+               "blend_alpha": alpha}
+    return new, metrics
+
+
+def _zeros_like_metrics(learner: Learner, state: TrainState, env_params, fold) -> dict[str, Any]:
+    shapes = jax.eval_shape(lambda s: train_step(learner, s, env_params, fold)[1], state)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _flags(checked: dict[str, jax.Array]) -> jax.Array:
+    """``bool [len(CHECKED_TENSORS)]`` with the given flags in place, True elsewhere."""
+    return jnp.stack([jnp.asarray(checked.get(n, True)) for n in CHECKED_TENSORS])
+
+
+def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+              fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    """Collect K steps → insert → M updates (skipped until the replay holds min_replay)."""
+    c = learner.cfg.train
+    if c.finite_checks:
+        # Params are checked before they act, so a corrupted parameter is reported as 'params'
+        # rather than as the logits it poisons.
+        state = state.replace(monitor=safety.monitor_update(
+            state.monitor, _flags({"params": safety.finite_flags({"p": state.params})[0]}),
+            state.update_step, fold))
+    state, chunk, col_stats = collect(learner, state, env_params)
+    state, items, valid = to_transitions(learner, state, chunk)
+    state = insert(state, items, valid)
+    if c.finite_checks:
+        flags = _flags({"rewards": col_stats["finite_rewards"],
+                        "logits": col_stats["finite_logits"]})
+        state = state.replace(monitor=safety.monitor_update(
+            state.monitor, flags, state.update_step, fold))
+    col_stats.pop("finite_rewards")
+    col_stats.pop("finite_logits")
+    ready = state.replay.size >= c.min_replay
+
+    def updates(st):
+        def body(s, _):
+            return train_step(learner, s, env_params, fold)
+
+        st, m = jax.lax.scan(body, st, None, length=c.updates_per_iter)
+        return st, jax.tree.map(lambda x: jnp.sum(x, axis=0), m)
+
+    def skip(st):
+        return st, _zeros_like_metrics(learner, st, env_params, fold)
+
+    state, up = jax.lax.cond(ready, updates, skip, state)
+    n_up = jnp.where(ready, c.updates_per_iter, 0).astype(jnp.float32)
+    return state, {"collect": col_stats, "update": up, "n_updates": n_up}
+
+
+def make_epoch_fn(learner: Learner, n_seeds: int):
+    """The jitted epoch over all seeds: ``(state [S], env_params, fold) -> (state, metrics)``.
+
+    The state is donated; ``env_params`` (feature matrix, bars, window) is shared by the seeds.
+    Metrics come back as per-seed means over the epoch (one device→host transfer per epoch).
+    """
+    c = learner.cfg.train
+
+    def epoch_one(state: TrainState, env_params, fold):
+        def body(st, _):
+            return iteration(learner, st, env_params, fold)
+
+        state, m = jax.lax.scan(body, state, None, length=c.iters_per_epoch)
+        n_up = jnp.maximum(jnp.sum(m["n_updates"]), 1.0)
+        n_col = float(c.iters_per_epoch * c.collect_steps)
+        out = {
+            "collect": jax.tree.map(lambda x: jnp.sum(x, axis=0) / n_col, m["collect"]),
+            "update": jax.tree.map(lambda x: jnp.sum(x, axis=0) / n_up, m["update"]),
+            "n_updates": jnp.sum(m["n_updates"]),
+            "replay_size": state.replay.size,
+        }
+        out["collect"]["episodes_done"] = out["collect"]["episodes_done"] * n_col
+        return state, out
+
+    vm = jax.vmap(epoch_one, in_axes=(0, None, None))
+    return jax.jit(vm, donate_argnums=(0,))

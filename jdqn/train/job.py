@@ -1,0 +1,323 @@
+"""The whole job: data → features → walk-forward training → test backtest → report.
+
+    run_job ─ prepare (bars, features, fold plan, learner)
+            ─ for each fold: normalise on its train window → reset state by policy
+                ─ for each epoch: run_epoch (one jitted call, all seeds) → safety checks
+                                  → validation backtest per seed → best params, early stopping
+                                  → async checkpoint → log
+            ─ test backtest of each seed's best params + baselines → report
+
+Host-side loop state (fold, epoch, best validation Sharpe and patience per seed, fold metrics)
+is saved with every checkpoint, so ``--resume`` continues exactly where the run stopped and ends
+bitwise identical to an uninterrupted run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdqn.config import Config
+from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
+from jdqn.env import core as env_core
+from jdqn.errors import CheckpointError, TrainingHalted
+from jdqn.evaluate.backtest import BacktestResult, rollout
+from jdqn.evaluate.baselines import run_baselines
+from jdqn.evaluate.metrics import compute_metrics, periods_per_year
+from jdqn.evaluate.report import write_report
+from jdqn.train import safety
+from jdqn.train.epoch import greedy_policy, make_epoch_fn
+from jdqn.train.folds import FoldPlan, plan_folds
+from jdqn.train.logger import RunLogger
+from jdqn.train.policy import fold_reset_policy
+from jdqn.train.reset import apply_reset, check_policy_covers
+from jdqn.train.state import CHECKED_TENSORS, Learner, TrainState, init_state, seed_keys
+
+VAL_KEYS = ("sharpe", "sortino", "calmar", "max_drawdown", "total_return", "n_trades",
+            "hit_rate", "turnover")
+
+
+# --------------------------------------------------------------------------------------------
+# set-up
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prepared:
+    bars: Bars
+    feats: FeatureSet
+    layout: StateLayout
+    plan: FoldPlan
+    learner: Learner
+    ppy: float
+    cache_hit: bool
+
+
+def prepare(cfg: Config) -> Prepared:
+    bars, feats, hit = load_or_build(cfg)
+    layout = StateLayout(feats.n_features, cfg.features.state_width)
+    plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
+    learner = Learner.create(cfg, feats.flow_idx, layout.width)
+    return Prepared(bars, feats, layout, plan, learner,
+                    periods_per_year(bars.bar_seconds, cfg.eval), hit)
+
+
+def fold_env_params(cfg: Config, p: Prepared, fold_index: int) -> env_core.EnvParams:
+    """Env arrays for a fold: features normalised on that fold's train window only."""
+    fold = p.plan.folds[fold_index]
+    norm = fit_normaliser(p.feats.values, fold.train[0], fold.train[1],
+                          cfg.features.normalisation, cfg.features.clip)
+    b = p.bars
+    return env_core.make_params(norm.apply(p.feats.values), b.open, b.high, b.low, b.close,
+                                cfg.env, lo=fold.train[0], hi=fold.train[1], training=True,
+                                state_width=p.layout.width,
+                                portfolio_offset=p.layout.portfolio_offset)
+
+
+def feature_schema(p: Prepared) -> str:
+    """What a checkpoint's observations mean: feature names, cache schema, state width.
+
+    The checkpointer combines it with the state's tree structure, shapes and dtypes into the
+    layout fingerprint that every restore checks."""
+    blob = json.dumps({"features": list(p.feats.names), "schema": SCHEMA_VERSION,
+                       "width": p.layout.width, "flow_idx": list(p.feats.flow_idx)})
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _greedy_fn(learner: Learner):
+    """One policy function object per learner, so the backtest's jit cache is reused."""
+
+    def policy(params, obs, ctx):
+        del ctx
+        return greedy_policy(learner, params, obs)
+
+    return policy
+
+
+def seed_slice(tree: Any, s: int) -> Any:
+    return jax.tree.map(lambda x: x[s], tree)
+
+
+def evaluate_params(cfg: Config, p: Prepared, env_params: env_core.EnvParams, params: Any,
+                    lo: int, hi: int) -> BacktestResult:
+    return rollout(env_params, _greedy_fn(p.learner), params, lo=lo, hi=hi,
+                   n_windows=cfg.eval.n_windows, stride=cfg.eval.stride)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _select_best(state: TrainState, improved: jax.Array) -> TrainState:
+    def pick(new, old):
+        mask = improved.reshape(improved.shape + (1,) * (new.ndim - 1))
+        return jnp.where(mask, new, old)
+
+    return state.replace(best_params=jax.tree.map(pick, state.params, state.best_params))
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
+
+
+def _fresh_progress(n_seeds: int) -> dict[str, Any]:
+    return {"fold": 0, "epoch": -1, "fold_done": False, "global_epoch": 0,
+            "best_val": [None] * n_seeds, "best_val_metrics": [None] * n_seeds,
+            "bad_epochs": [0] * n_seeds, "prev_q": None, "fold_metrics": []}
+
+
+@functools.cache
+def _init_fn(learner: Learner):
+    return jax.jit(jax.vmap(lambda k, ep: init_state(learner, k, ep), in_axes=(0, None)))
+
+
+@functools.cache
+def _reset_fn(learner: Learner):
+    policy = fold_reset_policy(learner.cfg.train)
+    return jax.jit(jax.vmap(lambda st, fr: apply_reset(policy, st, None, fr)),
+                   donate_argnums=(0,))
+
+
+def _fold_state(p: Prepared, state: TrainState | None, env_params: env_core.EnvParams,
+                fold: int, keys: jax.Array) -> TrainState:
+    """Fold 0: a fresh state. Later folds: the declarative reset policy over every leaf."""
+    learner = p.learner
+    fold_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1_000 + fold))(keys)
+    fresh = _init_fn(learner)(fold_keys, env_params)
+    if state is None:
+        return fresh
+    check_policy_covers(fold_reset_policy(learner.cfg.train), state)
+    return _reset_fn(learner)(state, fresh)
+
+
+def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run (or resume) the whole job into ``out``; returns the report of the first seed."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    p = prepare(cfg)
+    learner, plan = p.learner, p.plan
+    seeds = cfg.train.seeds
+    n_seeds = len(seeds)
+    keys = seed_keys(seeds)
+    epoch_fn = make_epoch_fn(learner, n_seeds)
+
+    env_params = fold_env_params(cfg, p, 0)
+    abstract = jax.eval_shape(jax.vmap(lambda k: init_state(learner, k, env_params)), keys)
+    from jdqn.train import checkpoint as ckpt_lib
+
+    ckpt = ckpt_lib.Checkpointer(out / "checkpoints", keep_best=cfg.checkpoint.keep_best,
+                        keep_latest=cfg.checkpoint.keep_latest,
+                        async_save=cfg.checkpoint.async_save,
+                        fingerprint=feature_schema(p)) if cfg.checkpoint.enabled else None
+
+    progress = _fresh_progress(n_seeds)
+    state: TrainState | None = None
+    if resume:
+        if ckpt is None or ckpt.latest_step() is None:
+            raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
+        state, progress = ckpt.restore(ckpt.latest_step(), abstract)
+
+    logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet)
+    logger.advance(progress["global_epoch"])
+    try:
+        state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt, logger)
+    finally:
+        logger.close()
+        if ckpt is not None:
+            ckpt.wait()
+
+    # Test window: each seed's best-by-validation params of the last fold.
+    last = len(plan.folds) - 1
+    env_params = fold_env_params(cfg, p, last)
+    lo, hi = plan.test
+    test_params = env_core.with_window(env_params, lo, hi, training=False)
+    baselines = run_baselines(test_params, cfg.eval, lo=lo, hi=hi)
+    reports = []
+    for s, seed in enumerate(seeds):
+        res = evaluate_params(cfg, p, test_params, seed_slice(state.best_params, s), lo, hi)
+        folder = out if s == 0 else out / "seeds" / f"seed_{seed}"
+        fold_metrics = [fm[s] for fm in progress["fold_metrics"]]
+        extra = {
+            "seed": seed, "seeds": list(seeds), "fold_plan": {
+                "folds": [{"train": list(f.train), "val": list(f.val)} for f in plan.folds],
+                "test": list(plan.test)},
+            "features": list(p.feats.names), "n_params": int(sum(
+                np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
+            "epoch_compilations": int(epoch_fn._cache_size()),
+            "wall_seconds": time.perf_counter() - t0,
+        }
+        reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines, fold_metrics,
+                                    p.ppy * 1.0, extra))
+    if ckpt is not None:
+        ckpt.close()
+    return reports[0]
+
+
+def plan_epochs(cfg: Config) -> int:
+    return cfg.train.n_folds * cfg.train.epochs_per_fold
+
+
+def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckpt,
+                  logger: RunLogger) -> tuple[TrainState, dict[str, Any]]:
+    tc = cfg.train
+    n_seeds = len(tc.seeds)
+    start_fold = progress["fold"] + (1 if progress["fold_done"] else 0)
+    for f in range(start_fold, len(p.plan.folds)):
+        fold = p.plan.folds[f]
+        env_params = fold_env_params(cfg, p, f)
+        val_params = env_core.with_window(env_params, *fold.val, training=False)
+        if progress["fold"] != f or progress["fold_done"] or state is None:
+            state = _fold_state(p, state, env_params, f, keys)
+            progress.update(fold=f, epoch=-1, fold_done=False, best_val=[None] * n_seeds,
+                            best_val_metrics=[None] * n_seeds, bad_epochs=[0] * n_seeds)
+        fold_arr = jnp.asarray(f, jnp.int32)
+        for e in range(progress["epoch"] + 1, tc.epochs_per_fold):
+            state, metrics = epoch_fn(state, env_params, fold_arr)
+            metrics, monitor = jax.device_get((metrics, state.monitor))
+            safety.raise_if_halted(monitor, CHECKED_TENSORS)
+            q_now = [float(x) for x in metrics["collect"]["q_abs_mean"]]
+            if tc.q_drift_halt and progress["prev_q"] is not None:
+                for s in range(n_seeds):
+                    safety.check_q_drift(progress["prev_q"][s], q_now[s], e,
+                                         floor=tc.q_drift_floor, fold=f)
+            progress["prev_q"] = q_now
+
+            val = [compute_metrics(evaluate_params(cfg, p, val_params, seed_slice(state.params, s),
+                                                   *fold.val), p.ppy) for s in range(n_seeds)]
+            improved = []
+            for s in range(n_seeds):
+                sharpe = float(val[s]["sharpe"])
+                best = progress["best_val"][s]
+                better = best is None or sharpe > best
+                improved.append(better)
+                if better:
+                    progress["best_val"][s] = sharpe
+                    progress["best_val_metrics"][s] = {k: val[s][k] for k in VAL_KEYS}
+                    progress["bad_epochs"][s] = 0
+                else:
+                    progress["bad_epochs"][s] += 1
+            state = _select_best(state, jnp.asarray(improved))
+            stop = all(b >= tc.patience for b in progress["bad_epochs"])
+            last_epoch = e == tc.epochs_per_fold - 1
+            progress.update(epoch=e, fold_done=stop or last_epoch,
+                            global_epoch=progress["global_epoch"] + 1)
+            if progress["fold_done"]:
+                progress["fold_metrics"].append([
+                    {"fold": f, "train": list(fold.train), "val": list(fold.val),
+                     "epochs": e + 1, **(progress["best_val_metrics"][s] or {})}
+                    for s in range(n_seeds)])
+            record = _epoch_record(f, e, metrics, val, tc.seeds)
+            logger.log_epoch(record, progress["global_epoch"])
+            if ckpt is not None:
+                ckpt.save(progress["global_epoch"], state,
+                          metrics={"val_sharpe": float(np.mean([v["sharpe"] for v in val]))},
+                          extra_json=progress)
+            if progress["fold_done"]:
+                logger.advance(tc.epochs_per_fold - 1 - e)
+                break
+    return state, progress
+
+
+def _mean(x: Any) -> Any:
+    a = np.asarray(x, np.float64)
+    return float(a.mean()) if a.ndim <= 1 else a.mean(axis=0).tolist()
+
+
+def _epoch_record(fold: int, epoch: int, m: dict[str, Any], val: list[dict[str, Any]],
+                  seeds: tuple[int, ...]) -> dict[str, Any]:
+    """The per-epoch diagnostics line (means over seeds; per-seed validation Sharpe kept)."""
+    u, c = m["update"], m["collect"]
+    intended = np.asarray(c["abs_intended"], np.float64)
+    realised = np.asarray(c["abs_realised"], np.float64)
+    return {
+        "fold": fold, "epoch": epoch,
+        "loss": {"total": _mean(u["loss_total"]), "td": _mean(u["loss_td"]),
+                 "c51": _mean(u["loss_c51"]), "mse": _mean(u["loss_mse"]),
+                 "iqn": _mean(u["loss_iqn"]), "moe": _mean(u["loss_moe_balance"])},
+        "q": {"mean": _mean(u["q_mean"]), "std": _mean(u["q_std"]), "gap": _mean(u["q_gap"]),
+              "mean_per_branch": _mean(u["q_mean"]), "std_per_branch": _mean(u["q_std"]),
+              "collect_abs_mean": _mean(c["q_abs_mean"])},
+        "atoms": {"target_mean_per_branch": _mean(u["target_mean"])},
+        "moe": {"utilisation": _mean(u["gate_util"]), "entropy": _mean(u["gate_entropy"]),
+                "lambda_eff": _mean(u["lambda_eff"])},
+        "size": {"abs_intended": float(intended.mean()), "abs_realised": float(realised.mean()),
+                 "realised_over_intended": float(realised.mean() / max(intended.mean(), 1e-12)),
+                 "scale": _mean(c["size_scale"])},
+        "actions": {k[len("action_"):]: _mean(v) for k, v in c.items() if k.startswith("action_")},
+        "reward": {"raw": _mean(c["reward_raw"]), "normalised": _mean(c["reward_norm"])},
+        "optim": {"grad_norm": _mean(u["grad_norm"]), "per_beta": _mean(u["per_beta"]),
+                  "blend_alpha": _mean(u["blend_alpha"]), "updates": _mean(m["n_updates"])},
+        "replay_size": _mean(m["replay_size"]),
+        "val": {"sharpe": float(np.mean([v["sharpe"] for v in val])),
+                "total_return": float(np.mean([v["total_return"] for v in val])),
+                "sharpe_per_seed": {str(s): float(v["sharpe"]) for s, v in zip(seeds, val)},
+                "n_trades": float(np.mean([v["n_trades"] for v in val]))},
+    }
