@@ -82,6 +82,7 @@ class SyntheticConfig:
     tick_size: float = fld(0.25, gt=0)
     base_vol: float = fld(4e-4, gt=0)  # per-bar log-return volatility in the calm regime
     signal_strength: float = fld(0.15, ge=0, le=1)  # predictive power of order flow for r[t+1]
+    flow_persistence: float = fld(0.9, ge=0, lt=1)  # AR(1) coefficient of the latent order flow
     regime_persistence: float = fld(0.995, ge=0, lt=1)  # P(stay in regime) per bar
     garch_alpha: float = fld(0.08, ge=0, lt=1)  # volatility clustering
     garch_beta: float = fld(0.9, ge=0, lt=1)
@@ -101,6 +102,8 @@ class DataConfig:
     bar_size: str = "1min"  # time bars: 1s … 1d (e.g. '30s', '5min', '1h', '1d')
     bar_threshold: float = fld(0.0, ge=0)  # volume (contracts) or dollar amount per bar
     price_scale: float = fld(1.0, gt=0)  # multiply input prices by this (e.g. cents → dollars)
+    timestamp_label: Literal["close", "open"] = "close"  # OHLCV rows: stamp marks bar close/open
+    instrument_id: int = fld(0, ge=0)  # DBN: instrument to keep (0 = the file's only one)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".jdqn_cache"  # feature cache folder ('' disables the cache)
 
@@ -137,6 +140,7 @@ class SizingConfig:
 
     conviction: bool = True  # scale by Q-gap conviction, clamped to [conviction_floor, 1]
     conviction_floor: float = fld(0.25, gt=0, le=1)
+    conviction_scale: float = fld(1.0, gt=0)  # |Q-gap| at which conviction reaches 1
     variance: bool = True  # 1/(1+sqrt(Var[Q])), floored by conviction
     kelly: bool = True  # Kelly cap from realised win rate/payoff after kelly_min_trades
     kelly_min_trades: int = fld(20, ge=1)
@@ -144,6 +148,8 @@ class SizingConfig:
     cvar: bool = True  # CVaR scale from recent realised returns
     cvar_alpha: float = fld(0.05, gt=0, lt=1)
     cvar_floor: float = fld(0.25, gt=0, le=1)
+    cvar_window: int = fld(100, ge=2)  # bars of past full-size returns in the CVaR estimate
+    cvar_limit: float = fld(1e-3, gt=0)  # tolerated per-bar CVaR at full size (share of equity)
     min_share: float = fld(0.1, gt=0, le=1)  # realised ≥ min_share × intended, whatever the factors
 
 
@@ -183,6 +189,7 @@ class ModelConfig:
     expert_hidden: int = fld(64, ge=1)  # expert bottleneck (width → hidden → width)
     gate_hidden: int = fld(64, ge=1)  # gate MLP hidden (state → hidden → K)
     branch_sizes: tuple[int, ...] = _tuple(4, 3, 3, 3)  # direction, magnitude, order type, urgency
+    head_hidden: int = fld(128, ge=1)  # hidden width of each dueling stream (value, per branch)
     n_atoms: int = fld(51, ge=2)
     v_min: float = -50.0
     v_max: float = 50.0
@@ -191,6 +198,7 @@ class ModelConfig:
     iqn_n: int = fld(8, ge=1)  # online quantile samples N
     iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of matmuls
+    fuse_next_obs: bool = True  # loss: one online forward over [s; s′] (fewer kernels) vs two
     impl: Literal["auto", "xla", "pallas"] = "auto"  # auto = pallas on GPU, xla elsewhere
 
 
@@ -252,6 +260,7 @@ class EvalConfig:
     session_hours: float = fld(23.0, gt=0, le=24)  # CME Globex ≈ 23 h
     stride: int = fld(1, ge=1)  # evaluation subsampling stride (annualisation corrected)
     momentum_lookback: int = fld(20, ge=1)
+    n_windows: int = fld(1, ge=1)  # backtest windows run in parallel (flat at each boundary)
     random_seed: int = fld(12345, ge=0)
     baselines: tuple[str, ...] = _tuple("flat", "buy_and_hold", "momentum", "random")
 

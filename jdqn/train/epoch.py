@@ -12,6 +12,7 @@ function of a step counter inside the program, so nothing recompiles between epo
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -250,7 +251,8 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     return state, {"collect": col_stats, "update": up, "n_updates": n_up}
 
 
-def make_epoch_fn(learner: Learner, n_seeds: int):
+@functools.cache
+def make_epoch_fn(learner: Learner):
     """The jitted epoch over all seeds: ``(state [S], env_params, fold) -> (state, metrics)``.
 
     The state is donated; ``env_params`` (feature matrix, bars, window) is shared by the seeds.

@@ -163,40 +163,52 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     t0 = time.perf_counter()
     out = Path(out)
     p = prepare(cfg)
-    learner, plan = p.learner, p.plan
-    seeds = cfg.train.seeds
-    n_seeds = len(seeds)
-    keys = seed_keys(seeds)
-    epoch_fn = make_epoch_fn(learner, n_seeds)
-
+    keys = seed_keys(cfg.train.seeds)
+    epoch_fn = make_epoch_fn(p.learner)
     env_params = fold_env_params(cfg, p, 0)
-    abstract = jax.eval_shape(jax.vmap(lambda k: init_state(learner, k, env_params)), keys)
-    from jdqn.train import checkpoint as ckpt_lib
+    abstract = jax.eval_shape(jax.vmap(lambda k: init_state(p.learner, k, env_params)), keys)
 
-    ckpt = ckpt_lib.Checkpointer(out / "checkpoints", keep_best=cfg.checkpoint.keep_best,
-                        keep_latest=cfg.checkpoint.keep_latest,
-                        async_save=cfg.checkpoint.async_save,
-                        fingerprint=feature_schema(p)) if cfg.checkpoint.enabled else None
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        from jdqn.train.checkpoint import Checkpointer
 
-    progress = _fresh_progress(n_seeds)
-    state: TrainState | None = None
-    if resume:
-        if ckpt is None or ckpt.latest_step() is None:
-            raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
-        state, progress = ckpt.restore(ckpt.latest_step(), abstract)
-
-    logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet)
-    logger.advance(progress["global_epoch"])
+        ckpt = Checkpointer(out / "checkpoints", keep_best=cfg.checkpoint.keep_best,
+                            keep_latest=cfg.checkpoint.keep_latest,
+                            async_save=cfg.checkpoint.async_save, fingerprint=feature_schema(p))
+    elif resume:
+        raise CheckpointError("--resume needs checkpoint.enabled = true")
     try:
-        state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt, logger)
-    finally:
-        logger.close()
+        progress = _fresh_progress(len(cfg.train.seeds))
+        state: TrainState | None = None
+        if resume:
+            if ckpt.latest_step() is None:
+                raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
+            state, progress = ckpt.restore(ckpt.latest_step(), abstract)
+        logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet)
+        logger.advance(progress["global_epoch"])
+        try:
+            state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt,
+                                            logger)
+        finally:
+            logger.close()
         if ckpt is not None:
-            ckpt.wait()
+            ckpt.close()  # waits for the last asynchronous save
+            ckpt = None
+    finally:
+        if ckpt is not None:  # an error is on its way out: stop orbax's threads quietly
+            try:
+                ckpt.close()
+            except CheckpointError:
+                pass
+    return _test_and_report(cfg, p, state, progress, out, epoch_fn, t0)
 
-    # Test window: each seed's best-by-validation params of the last fold.
-    last = len(plan.folds) - 1
-    env_params = fold_env_params(cfg, p, last)
+
+def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict[str, Any],
+                     out: Path, epoch_fn, t0: float) -> dict[str, Any]:
+    """Test window: each seed's best-by-validation params of the last fold, and the baselines,
+    through the same engine (same costs)."""
+    plan, seeds = p.plan, cfg.train.seeds
+    env_params = fold_env_params(cfg, p, len(plan.folds) - 1)
     lo, hi = plan.test
     test_params = env_core.with_window(env_params, lo, hi, training=False)
     baselines = run_baselines(test_params, cfg.eval, lo=lo, hi=hi)
@@ -204,20 +216,17 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     for s, seed in enumerate(seeds):
         res = evaluate_params(cfg, p, test_params, seed_slice(state.best_params, s), lo, hi)
         folder = out if s == 0 else out / "seeds" / f"seed_{seed}"
-        fold_metrics = [fm[s] for fm in progress["fold_metrics"]]
         extra = {
-            "seed": seed, "seeds": list(seeds), "fold_plan": {
-                "folds": [{"train": list(f.train), "val": list(f.val)} for f in plan.folds],
-                "test": list(plan.test)},
-            "features": list(p.feats.names), "n_params": int(sum(
-                np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
+            "seed": seed, "seeds": list(seeds),
+            "fold_plan": {"folds": [{"train": list(f.train), "val": list(f.val)}
+                                    for f in plan.folds], "test": list(plan.test)},
+            "features": list(p.feats.names),
+            "n_params": int(sum(np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
             "epoch_compilations": int(epoch_fn._cache_size()),
             "wall_seconds": time.perf_counter() - t0,
         }
-        reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines, fold_metrics,
-                                    p.ppy * 1.0, extra))
-    if ckpt is not None:
-        ckpt.close()
+        reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
+                                    [fm[s] for fm in progress["fold_metrics"]], p.ppy, extra))
     return reports[0]
 
 

@@ -79,14 +79,27 @@ class TrainState:
     q_abs_ema: jax.Array  # f32 []: EMA of |mean Q| of collected states (diagnostic)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Learner:
-    """The static pieces (network, optimiser, configs) that the jitted functions close over."""
+    """The static pieces (network, optimiser, configs) that the jitted functions close over.
+
+    Equality and hash are those of ``(cfg, flow_idx, width)``, which determine everything else,
+    so two learners built from the same config share compiled programs (``functools.cache``).
+    """
 
     cfg: Config
     net: BranchingQNetwork
     tx: optax.GradientTransformation
     width: int  # observation width W
+
+    def _key(self) -> tuple:
+        return (self.cfg, tuple(self.net.flow_idx), self.width)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Learner) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @staticmethod
     def create(cfg: Config, flow_idx: tuple[int, ...], width: int) -> Learner:

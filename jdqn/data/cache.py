@@ -1,0 +1,153 @@
+"""On-disk feature cache: ``load_or_build(cfg) -> (bars, features, cache_hit)``.
+
+One ``.npz`` per (input, data settings, feature settings) in ``cfg.data.cache_dir``. The file
+name hashes the input's *location* and the settings; inside, the file stores ``SCHEMA_VERSION``
+and the full key, which adds the input's *identity* (absolute path, size, mtime_ns and a BLAKE2
+hash of its first and last MiB; or the synthetic config). So:
+
+* same input and settings → hit (arrays identical to a fresh build);
+* the input file changed, or a setting that affects bars/features changed → stale → rebuilt and
+  overwritten (a changed setting simply maps to another file);
+* a file written by another ``SCHEMA_VERSION`` → refused with :class:`CacheError` naming the file
+  and both versions (delete it, or point ``data.cache_dir`` elsewhere); a file that cannot be
+  read at all is rebuilt with a warning.
+
+Writes are atomic (temporary file in the same folder + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jdqn.config import DataConfig, FeaturesConfig, to_dict
+from jdqn.data.bars import Bars
+from jdqn.data.features import FeatureSet, build_features
+from jdqn.data.load import load_bars, resolve_path
+from jdqn.errors import CacheError, DataError
+
+SCHEMA_VERSION = 1  # bump when bars/features change meaning or layout
+_MIB = 1 << 20
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def input_identity(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the input's content (cheap: no full read of large files)."""
+    if cfg.source == "synthetic":
+        return {"synthetic": to_dict(cfg.synthetic)}
+    path = resolve_path(cfg.path).resolve()
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found (data.path = {cfg.path!r})")
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        st = path.stat()
+        with open(path, "rb") as f:
+            h.update(f.read(_MIB))
+            if st.st_size > 2 * _MIB:
+                f.seek(-_MIB, os.SEEK_END)
+            h.update(f.read(_MIB))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the data file: {e.strerror or e}") from None
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_tail_blake2b": h.hexdigest()}
+
+
+def _settings(data: DataConfig, features: FeaturesConfig) -> dict[str, Any]:
+    """Data settings that change the bars (not the cache folder) and all feature settings."""
+    d = to_dict(data)
+    d.pop("cache_dir")
+    if data.source != "synthetic":
+        d.pop("synthetic")
+    return {"data": d, "features": to_dict(features)}
+
+
+def cache_path(data: DataConfig, features: FeaturesConfig) -> Path:
+    where = {"source": data.source, "path": data.path, **_settings(data, features)}
+    stem = "synthetic" if data.source == "synthetic" else Path(data.path.split(":")[-1]).name
+    stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in stem)[:40]
+    return Path(data.cache_dir).expanduser() / f"{stem}-{_sha(where)[:16]}.npz"
+
+
+def cache_key(data: DataConfig, features: FeaturesConfig) -> str:
+    return _sha({"schema": SCHEMA_VERSION, "input": input_identity(data),
+                 **_settings(data, features)})
+
+
+def save(path: Path, key: str, bars: Bars, feats: FeatureSet) -> None:
+    meta = {"schema_version": SCHEMA_VERSION, "key": key, "bar_seconds": bars.bar_seconds,
+            "source": bars.source, "names": list(feats.names), "flow_idx": list(feats.flow_idx),
+            "warmup": feats.warmup}
+    arrays = {f"bars.{k}": v for k, v in bars.arrays().items()}
+    arrays["features.values"] = feats.values
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: Path, key: str) -> tuple[Bars, FeatureSet] | None:
+    """The cached (bars, features), or None if stale/unreadable; CacheError if foreign schema."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            if meta.get("schema_version") != SCHEMA_VERSION:
+                raise CacheError(f"{path}: feature cache written with schema version "
+                                 f"{meta.get('schema_version')!r}, this jdqn reads version "
+                                 f"{SCHEMA_VERSION}; delete the file or set data.cache_dir "
+                                 "to another folder")
+            if meta.get("key") != key:
+                return None
+            arrays = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith("bars.")}
+            values = z["features.values"]
+    except CacheError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        # truncated or foreign file: rebuilding is safe
+        warnings.warn(f"{path}: unreadable feature cache ({type(e).__name__}: {e}); rebuilding",
+                      stacklevel=3)
+        return None
+    names = {f.name for f in dataclasses.fields(Bars)}
+    bars = Bars(**{k: v for k, v in arrays.items() if k in names},
+                bar_seconds=float(meta["bar_seconds"]), source=meta["source"])
+    feats = FeatureSet(values=values, names=tuple(meta["names"]),
+                       flow_idx=tuple(meta["flow_idx"]), warmup=int(meta["warmup"]))
+    return bars, feats
+
+
+def load_or_build(cfg: Any) -> tuple[Bars, FeatureSet, bool]:
+    """Bars and features for ``cfg`` (a :class:`jdqn.config.Config`), from the cache if valid.
+
+    Returns ``(bars, features, cache_hit)``. ``data.cache_dir = ''`` disables the cache.
+    """
+    data, features = cfg.data, cfg.features
+    if not data.cache_dir:
+        bars = load_bars(data)
+        return bars, build_features(bars, features), False
+    path = cache_path(data, features)
+    key = cache_key(data, features)
+    if path.is_file():
+        hit = load(path, key)
+        if hit is not None:
+            return hit[0], hit[1], True
+    bars = load_bars(data)
+    feats = build_features(bars, features)
+    save(path, key, bars, feats)
+    return bars, feats, False

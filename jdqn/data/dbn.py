@@ -1,0 +1,203 @@
+"""Databento DBN files (MBP-10, trades, OHLCV; plain or zstd) → Bars.
+
+Records are read as numpy structured arrays (the DBN record layout, little-endian), so nothing
+loops over records in Python. ``databento_dbn`` reads the metadata (schema, version) and
+decompresses zstd input: its decoder yields record objects whose ``bytes()`` are the raw
+records, joined once into one buffer. A plain file of one record type is sliced directly.
+
+Times: trades and book updates are stamped with ``ts_recv`` (when the data was known; Databento's
+index time), OHLCV records with ``ts_event`` = the *open* of the interval, so a bar closes at
+``ts_event + length``. Prices are fixed-point integers, 1 unit = 1e-9.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import databento_dbn as dbn
+import numpy as np
+
+from jdqn.config import DataConfig
+from jdqn.data.bars import (
+    NS,
+    Bars,
+    attach_book,
+    check_ticks,
+    events_to_bars,
+    parse_bar_size,
+    trade_signs,
+)
+from jdqn.errors import DataError
+
+UNDEF_PRICE = np.iinfo(np.int64).max
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+_HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"),
+           ("instrument_id", "<u4"), ("ts_event", "<u8")]
+_TRADE = _HEADER + [("price", "<i8"), ("size", "<u4"), ("action", "S1"), ("side", "S1"),
+                    ("flags", "u1"), ("depth", "u1"), ("ts_recv", "<u8"),
+                    ("ts_in_delta", "<i4"), ("sequence", "<u4")]
+_LEVEL = [("bid_px", "<i8"), ("ask_px", "<i8"), ("bid_sz", "<u4"), ("ask_sz", "<u4"),
+          ("bid_ct", "<u4"), ("ask_ct", "<u4")]
+TRADE_DTYPE = np.dtype(_TRADE)  # 48 bytes
+MBP10_DTYPE = np.dtype(_TRADE + [("levels", np.dtype(_LEVEL), (10,))])  # 368 bytes
+OHLCV_DTYPE = np.dtype(_HEADER + [("open", "<i8"), ("high", "<i8"), ("low", "<i8"),
+                                  ("close", "<i8"), ("volume", "<u8")])  # 56 bytes
+assert TRADE_DTYPE.itemsize == 48 and MBP10_DTYPE.itemsize == 368 and OHLCV_DTYPE.itemsize == 56
+
+_OHLCV_SECONDS = {32: 1, 33: 60, 34: 3600, 35: 86400}  # rtype → interval (1s, 1m, 1h, 1d)
+_SCHEMAS = {"mbp-10": (MBP10_DTYPE, (10,)), "trades": (TRADE_DTYPE, (0,)),
+            "ohlcv-1s": (OHLCV_DTYPE, (32,)), "ohlcv-1m": (OHLCV_DTYPE, (33,)),
+            "ohlcv-1h": (OHLCV_DTYPE, (34,)), "ohlcv-1d": (OHLCV_DTYPE, (35,))}
+_RECORD_CLASS = {"mbp-10": "MBP10Msg", "trades": "TradeMsg"}
+
+
+def _schema_name(meta: object, path: Path) -> str:
+    schema = getattr(meta, "schema", None)
+    name = str(getattr(schema, "value", schema) or "").lower()
+    if name not in _SCHEMAS:
+        raise DataError(f"{path}: DBN schema {name or 'unknown'!r} is not supported; use "
+                        "mbp-10, trades or ohlcv-1s/1m/1h/1d")
+    return name
+
+
+def _decode_all(dec: dbn.DBNDecoder, path: Path) -> list:
+    """All records of a decoder that was given the whole input; a truncated input is an error."""
+    recs = dec.decode()
+    if not recs or not isinstance(recs[0], dbn.Metadata):
+        raise DataError(f"{path}: truncated or corrupt DBN data (no metadata header decoded)")
+    if len(dec.buffer()):
+        raise DataError(f"{path}: truncated DBN data: {len(dec.buffer())} bytes after record "
+                        f"{len(recs) - 1} do not form a whole record")
+    return recs
+
+
+def read_dbn(path: Path) -> tuple[str, np.ndarray]:
+    """Read a DBN file → (schema name, structured record array of that schema)."""
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found")
+    raw = path.read_bytes()
+    if not raw:
+        raise DataError(f"{path}: empty file (0 bytes)")
+    try:
+        if raw[:4] == _ZSTD_MAGIC:
+            dec = dbn.DBNDecoder(compression=dbn.Compression.ZSTD)
+            dec.write(raw)
+            recs = _decode_all(dec, path)
+            schema = _schema_name(recs[0], path)
+            dtype, rtypes = _SCHEMAS[schema]
+            body = b"".join(bytes(r) for r in recs[1:] if int(getattr(r, "rtype", -1)) in rtypes)
+            return schema, np.frombuffer(body, dtype=dtype)
+        if raw[:3] != b"DBN" or len(raw) < 8:
+            raise DataError(f"{path}: not a DBN file (no 'DBN' header, not zstd)")
+        off = 8 + struct.unpack("<I", raw[4:8])[0]
+        dec = dbn.DBNDecoder()
+        dec.write(raw[:off])
+        meta = _decode_all(dec, path)[0]
+    except dbn.DBNError as e:
+        raise DataError(f"{path}: cannot decode DBN: {e}") from None
+    schema = _schema_name(meta, path)
+    dtype, rtypes = _SCHEMAS[schema]
+    body = raw[off:]
+    if body and len(body) % dtype.itemsize == 0:
+        rec = np.frombuffer(body, dtype=dtype)
+        if (rec["length"].astype(np.int64) * 4 == dtype.itemsize).all() and \
+                np.isin(rec["rtype"], rtypes).all():
+            return schema, rec
+    # mixed record types or sizes (e.g. symbol mappings in a live stream): let databento_dbn
+    # walk the records, keep those of the schema
+    dec = dbn.DBNDecoder()
+    dec.write(raw)
+    try:
+        recs = _decode_all(dec, path)
+    except dbn.DBNError as e:
+        raise DataError(f"{path}: cannot decode DBN: {e}") from None
+    body = b"".join(bytes(r) for r in recs[1:] if int(getattr(r, "rtype", -1)) in rtypes)
+    return schema, np.frombuffer(body, dtype=dtype)
+
+
+def _one_instrument(rec: np.ndarray, cfg: DataConfig, path: Path) -> np.ndarray:
+    ids = np.unique(rec["instrument_id"])
+    if cfg.instrument_id:
+        if cfg.instrument_id not in ids:
+            raise DataError(f"{path}: data.instrument_id = {cfg.instrument_id} not in the file "
+                            f"(instruments: {', '.join(map(str, ids[:20]))})")
+        return rec[rec["instrument_id"] == cfg.instrument_id]
+    if ids.shape[0] > 1:
+        raise DataError(f"{path}: {ids.shape[0]} instruments in the file "
+                        f"({', '.join(map(str, ids[:20]))}); set data.instrument_id to one")
+    return rec
+
+
+def _prices(px: np.ndarray, scale: float, path: Path, field: str) -> np.ndarray:
+    bad = (px == UNDEF_PRICE) | (px <= 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        what = "undefined price" if px[i] == UNDEF_PRICE else f"non-positive price {px[i]}"
+        raise DataError(f"{path}: record {i + 1}, field '{field}': {what}")
+    # divide by the exact 1e9 (correctly rounded: 3720250000000 → 3720.25, the same double as
+    # parsing "3720.25"); multiplying by 1e-9 would give 3720.2500000000005
+    out = px.astype(np.float64) / 1e9
+    return out * scale if scale != 1.0 else out
+
+
+def _trade_sides(side: np.ndarray) -> np.ndarray:
+    """Databento side of a trade = the aggressor: 'B' buy, 'A' sell, 'N' none (→ tick rule)."""
+    return np.where(side == b"B", 1, np.where(side == b"A", -1, 0)).astype(np.int8)
+
+
+def _sorted_by(rec: np.ndarray, key: str) -> np.ndarray:
+    ts = rec[key]
+    if ts.shape[0] > 1 and (np.diff(ts.astype(np.int64)) < 0).any():
+        return rec[np.argsort(ts, kind="stable")]
+    return rec
+
+
+def load_dbn(path: Path, cfg: DataConfig) -> Bars:
+    """DBN → Bars. MBP-10: trades are the records with action 'T' (aggressor side from the
+    record), every record is a book update for OFI. Trades: as ticks. OHLCV: bars as they are."""
+    schema, rec = read_dbn(path)
+    if rec.shape[0] == 0:
+        raise DataError(f"{path}: no {schema} records in the file")
+    rec = _one_instrument(rec, cfg, path)
+    src = str(path)
+    if schema.startswith("ohlcv"):
+        if cfg.bar_type != "time":
+            raise DataError(f"{path}: data.bar_type = {cfg.bar_type!r} needs trades or MBP-10; "
+                            f"{schema} is already time bars")
+        rec = _sorted_by(rec, "ts_event")
+        secs = _OHLCV_SECONDS[int(rec["rtype"][0])]
+        ts = rec["ts_event"].astype(np.int64) + secs * NS
+        if (np.diff(ts) == 0).any():
+            i = int(np.flatnonzero(np.diff(ts) == 0)[0]) + 1
+            raise DataError(f"{path}: record {i + 1}, field 'ts_event': duplicate bar time")
+        vol = rec["volume"].astype(np.float64)
+        nan = np.full(ts.shape[0], np.nan)
+        return Bars(ts=ts, start_ts=ts - secs * NS,
+                    open=_prices(rec["open"], cfg.price_scale, path, "open"),
+                    high=_prices(rec["high"], cfg.price_scale, path, "high"),
+                    low=_prices(rec["low"], cfg.price_scale, path, "low"),
+                    close=_prices(rec["close"], cfg.price_scale, path, "close"),
+                    volume=vol, buy_volume=nan, sell_volume=nan.copy(),
+                    n_trades=np.zeros(ts.shape[0], np.int64), bar_seconds=float(secs),
+                    source=src).check()
+    rec = _sorted_by(rec, "ts_recv")
+    bar_ns = parse_bar_size(cfg.bar_size) if cfg.bar_type == "time" else 0
+    trades = rec[rec["action"] == b"T"] if schema == "mbp-10" else rec
+    if trades.shape[0] == 0:
+        raise DataError(f"{path}: no trade records (action 'T'), so no bars can be built")
+    ts = trades["ts_recv"].astype(np.int64)
+    price = _prices(trades["price"], cfg.price_scale, path, "price")
+    size = trades["size"].astype(np.float64)
+    check_ticks(ts, price, size, src)
+    sign = trade_signs(price, _trade_sides(trades["side"]))
+    bars = events_to_bars(ts, price, size, sign, bar_type=cfg.bar_type, bar_ns=bar_ns,
+                          threshold=cfg.bar_threshold, source=src)
+    if schema == "mbp-10":
+        lv = rec["levels"]
+        bid_px = np.where(lv["bid_px"] == UNDEF_PRICE, np.iinfo(np.int64).min, lv["bid_px"])
+        ask_px = lv["ask_px"]  # undefined ask = int64 max, already 'above everything'
+        bars = attach_book(bars, rec["ts_recv"].astype(np.int64), bid_px, lv["bid_sz"],
+                           ask_px, lv["ask_sz"])
+    return bars.check()

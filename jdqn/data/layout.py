@@ -1,0 +1,71 @@
+"""The observation layout — the one place that defines what each column of a state means.
+
+An observation is a float32 vector of width ``W = features.state_width`` (128 by default, a
+multiple of the matmul tile):
+
+=====================  ==========================================================
+columns                meaning
+=====================  ==========================================================
+``[0, F)``             normalised features, in ``FeatureSet.names`` order
+``F + 0``              ``position``: signed position / max_position, in [−1, 1]
+``F + 1``              ``unrealised_pnl``: open-trade PnL (env-normalised)
+``F + 2``              ``time_in_position``: bars held (env-scaled)
+``F + 3``              ``last_direction``: last direction action (env-encoded)
+``[F + 4, W)``         zeros (padding)
+=====================  ==========================================================
+
+The env fills the portfolio slots (their scaling is the env's contract); the data side fixes
+their positions. ``F + 4 > W`` is a configuration error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PORTFOLIO_SLOTS = ("position", "unrealised_pnl", "time_in_position", "last_direction")
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    n_features: int  # F
+    width: int = 128  # W
+
+    def __post_init__(self) -> None:
+        need = self.n_features + len(PORTFOLIO_SLOTS)
+        if self.n_features < 0 or need > self.width:
+            raise ValueError(
+                f"features.state_width = {self.width} is too small: {self.n_features} features "
+                f"+ {len(PORTFOLIO_SLOTS)} portfolio slots need {need}; raise state_width or "
+                "use fewer features")
+
+    @property
+    def portfolio_offset(self) -> int:
+        return self.n_features
+
+    @property
+    def n_portfolio(self) -> int:
+        return len(PORTFOLIO_SLOTS)
+
+    @property
+    def n_padding(self) -> int:
+        return self.width - self.n_features - self.n_portfolio
+
+    def slot(self, name: str) -> int:
+        """Column of a portfolio slot, e.g. ``layout.slot('position')``."""
+        return self.n_features + PORTFOLIO_SLOTS.index(name)
+
+    def column_names(self, feature_names: tuple[str, ...]) -> tuple[str, ...]:
+        """Name of every column: features, portfolio slots, 'pad_i'."""
+        if len(feature_names) != self.n_features:
+            raise ValueError(f"{len(feature_names)} feature names for a layout of "
+                             f"{self.n_features} features")
+        return (tuple(feature_names) + PORTFOLIO_SLOTS
+                + tuple(f"pad_{i}" for i in range(self.n_padding)))
+
+    def assemble(self, features: Any, portfolio: Any, xp: Any = np) -> Any:
+        """[..., F] features + [..., 4] portfolio → [..., W] (``xp`` = numpy or jax.numpy)."""
+        pad = xp.zeros(features.shape[:-1] + (self.n_padding,), dtype=features.dtype)
+        return xp.concatenate([features, portfolio.astype(features.dtype), pad], axis=-1)

@@ -1,0 +1,247 @@
+"""Jitted deterministic backtest: roll a policy through the env over one out-of-sample period.
+
+The period ``[lo, hi)`` has decision bars ``lo … hi−2`` and return bars ``lo+1 … hi−1``
+(``M = hi − lo − 1`` of each). It is cut into ``n_windows`` contiguous windows that run in
+parallel as the env's N axis (one ``lax.scan`` of ``⌈M / n_windows⌉`` steps); every window starts
+flat and is liquidated at its end by the env's forced liquidation, and the per-bar records are
+stitched back in time order, so every return bar of the period appears exactly once.
+``n_windows = 1`` is one sequential episode (exact, the default); ``K`` windows add ``K − 1``
+forced round trips in exchange for ``K×`` shorter sequential depth (GPU validation).
+
+Returns are simple returns of equity, net of all costs: ``E_j = E_0 + Σ_{i ≤ j} pnl_i`` with a
+constant contract count (no compounding of size), ``r_j = pnl_j / E_{j−1}``, so
+``∏(1 + r_j) = E_M / E_0`` exactly up to float64 rounding. Reward shaping (churn penalty,
+opportunity cost) is not a cash flow and is not in the returns.
+
+With ``stride = k > 1`` the period is evaluated on k-bar bars: decisions every k-th bar
+(``lo, lo+k, …``), each k-bar bar has the first open after the previous decision, the max high,
+the min low and the close of its last bar. Annualise with ``periods_per_year(…)`` of an
+``EvalConfig`` whose ``stride = k``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jdqn.env.core import (
+    BRANCH_SIZES,
+    EnvInputError,
+    EnvParams,
+    PolicyAux,
+    make_params,
+    observe,
+    reset_at,
+    step,
+    validate_actions,
+)
+
+
+@struct.dataclass
+class PolicyContext:
+    """What a rule-based policy may know at a decision besides the observation (all ≤ t)."""
+
+    t: jax.Array  # i32 [N]: decision bar (index into env.bars)
+    position: jax.Array  # f32 [N]: contracts held
+    key: jax.Array  # typed PRNG key for this step (random policies)
+    env: EnvParams  # the env's arrays; read only bars ≤ t
+
+
+PolicyFn = Callable[..., tuple[jax.Array, PolicyAux]]
+
+# Per-step info fields recorded by the rollout (float64 / bool on the host).
+_RECORDED = ("bar", "position", "intended_position", "target_position", "fill_qty", "fill_price",
+             "filled", "gross_pnl", "commission", "spread_cost", "holding_cost", "net_pnl",
+             "trade_closed", "closed_trade_pnl", "size_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class BacktestResult:
+    """Per-return-bar records of one backtest, in time order (host numpy, float64 money)."""
+
+    bar: np.ndarray  # int64 [n]: index in the original series of the bar that ends each period
+    returns: np.ndarray  # f64 [n]: simple return of equity over the bar, net of costs
+    net_pnl: np.ndarray  # f64 [n] $
+    gross_pnl: np.ndarray  # f64 [n] $ (before commission, spread/slippage, holding cost)
+    commission: np.ndarray  # f64 [n] $
+    spread_cost: np.ndarray  # f64 [n] $ (half-spread + slippage of market orders)
+    holding_cost: np.ndarray  # f64 [n] $
+    position: np.ndarray  # f64 [n]: contracts held at the bar's close
+    intended_position: np.ndarray  # f64 [n]: unsized target of the live order
+    target_position: np.ndarray  # f64 [n]: sized target of the live order
+    fill_qty: np.ndarray  # f64 [n]: contracts bought (+) / sold (−) during the bar
+    fill_price: np.ndarray  # f64 [n]: execution price incl. half-spread and slippage
+    filled: np.ndarray  # bool [n]
+    trade_closed: np.ndarray  # bool [n]: a trade was closed (flat or flipped) in this bar
+    closed_trade_pnl: np.ndarray  # f64 [n] $: net PnL of the closed trade
+    size_scale: np.ndarray  # f64 [n]: sizing-chain scale applied to the decision
+    actions: np.ndarray  # int32 [n, 4]: the decision taken at the previous bar's close
+    initial_equity: float
+    max_position: float
+    stride: int = 1
+
+    @property
+    def n_bars(self) -> int:
+        return int(self.returns.shape[0])
+
+    @property
+    def equity(self) -> np.ndarray:
+        """f64 [n]: equity at each bar's close."""
+        return self.initial_equity * np.cumprod(1.0 + self.returns)
+
+    @property
+    def total_costs(self) -> np.ndarray:
+        return self.commission + self.spread_cost + self.holding_cost
+
+
+def strided_arrays(features: np.ndarray, open: np.ndarray, high: np.ndarray, low: np.ndarray,
+                   close: np.ndarray, lo: int, hi: int, stride: int
+                   ) -> tuple[np.ndarray, ...]:
+    """k-bar bars of ``[lo, hi)`` with decisions at ``lo + j·k``; returns arrays and bar map."""
+    m = (hi - 1 - lo) // stride
+    idx = lo + stride * np.arange(m + 1)  # decision / closing bars
+    first = np.r_[lo, idx[:-1] + 1]  # first bar of each k-bar bar
+    hi_k = np.maximum.reduceat(high[lo:idx[-1] + 1], first - lo)
+    lo_k = np.minimum.reduceat(low[lo:idx[-1] + 1], first - lo)
+    return features[idx], open[first], hi_k, lo_k, close[idx], idx
+
+
+def _policy_caller(policy_fn: PolicyFn, obs_only: bool) -> PolicyFn:
+    return _wrap_obs_only(policy_fn) if obs_only else policy_fn
+
+
+@functools.cache
+def _wrap_obs_only(policy_fn: PolicyFn) -> PolicyFn:
+    # Cached so that the same obs-only policy hits the same jit cache entry.
+    def call(policy_params: Any, obs: jax.Array, ctx: PolicyContext) -> Any:
+        del policy_params, ctx
+        return policy_fn(obs)
+
+    return call
+
+
+@functools.partial(jax.jit, static_argnames=("policy_fn", "n_steps"))
+def _scan(params: EnvParams, policy_params: Any, start: jax.Array, last: jax.Array,
+          key: jax.Array, policy_fn: PolicyFn, n_steps: int) -> dict[str, jax.Array]:
+    state = reset_at(params, start, last)
+    done0 = jnp.zeros(start.shape, bool)
+
+    def body(carry: Any, i: jax.Array) -> Any:
+        state, done = carry
+        obs = observe(params, state)
+        ctx = PolicyContext(t=state.t, position=state.position, key=jax.random.fold_in(key, i),
+                            env=params)
+        action, aux = policy_fn(policy_params, obs, ctx)
+        new, _, d, info = step(params, state, action, aux)
+        active = ~done
+        state = jax.tree.map(lambda a, b: jnp.where(active, a, b), new, state)
+        rec = {k: info[k] for k in _RECORDED}
+        rec.update(active=active, action=action, q_gap=aux.q_gap, q_var=aux.q_var)
+        return (state, done | d), rec
+
+    _, recs = jax.lax.scan(body, (state, done0), jnp.arange(n_steps))
+    return recs
+
+
+def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *,
+            lo: int | None = None, hi: int | None = None, n_windows: int = 1, stride: int = 1,
+            key: jax.Array | None = None) -> BacktestResult:
+    """Backtest ``policy_fn`` on ``[lo, hi)`` (default: the params' window) deterministically.
+
+    Policy protocol: with ``policy_params=None`` the policy is ``policy_fn(obs f32 [N, W]) ->
+    (action i32 [N, 4], PolicyAux)``; otherwise ``policy_fn(policy_params, obs, ctx:
+    PolicyContext)`` — pass network weights as ``policy_params`` (not captured in a closure) and
+    keep ``policy_fn`` the same object across calls so the jitted scan is reused.
+
+    The policy's output is checked (shape/dtype before running, values after): out-of-range or
+    non-finite actions, non-finite aux or a non-finite PnL raise :class:`EnvInputError`.
+    """
+    lo = int(params.lo) if lo is None else int(lo)
+    hi = int(params.hi) if hi is None else int(hi)
+    if not (0 <= lo and lo + 2 <= hi <= params.n_bars):
+        raise EnvInputError(f"backtest period [{lo}, {hi}) must hold ≥ 2 of the {params.n_bars} "
+                            "bars")
+    if stride < 1:
+        raise EnvInputError(f"stride must be ≥ 1, got {stride}")
+    bar_map = None
+    if stride > 1:
+        host = [np.asarray(a) for a in (params.features, params.open, params.high, params.low,
+                                         params.close)]
+        *arrays, bar_map = strided_arrays(*host, lo, hi, stride)
+        if len(bar_map) < 2:
+            raise EnvInputError(f"period [{lo}, {hi}) is too short for stride {stride}")
+        params = make_params(*arrays, params.cfg, lo=0, hi=len(bar_map), training=False,
+                             state_width=params.state_width,
+                             portfolio_offset=params.portfolio_offset)
+        lo, hi = 0, len(bar_map)
+    else:
+        params = params.replace(training=jnp.asarray(False))
+
+    m = hi - lo - 1
+    n_win = max(1, min(int(n_windows), m))
+    n_steps = -(-m // n_win)
+    n_win = -(-m // n_steps)  # drop windows that would be empty
+    start = lo + n_steps * np.arange(n_win)
+    last = np.minimum(start + n_steps, lo + m) - 1
+    caller = _policy_caller(policy_fn, policy_params is None)
+    key = jax.random.key(0) if key is None else key
+    _check_policy_shapes(params, caller, policy_params, n_win, key)
+
+    recs = _scan(params, policy_params, jnp.asarray(start, jnp.int32),
+                 jnp.asarray(last, jnp.int32), key, caller, n_steps)
+    recs = jax.device_get(recs)
+    active = np.asarray(recs["active"]).T  # [K, S]; windows are in time order
+    flat = {k: np.asarray(v).swapaxes(0, 1)[active] for k, v in recs.items() if k != "active"}
+    validate_actions(flat["action"], PolicyAux(q_gap=flat["q_gap"], q_var=flat["q_var"]))
+    return _assemble(flat, params, bar_map, stride)
+
+
+def _check_policy_shapes(params: EnvParams, caller: PolicyFn, policy_params: Any, n: int,
+                         key: jax.Array) -> None:
+    obs = jax.ShapeDtypeStruct((n, params.state_width), jnp.float32)
+    ctx = PolicyContext(t=jax.ShapeDtypeStruct((n,), jnp.int32),
+                        position=jax.ShapeDtypeStruct((n,), jnp.float32), key=key, env=params)
+    try:
+        action, aux = jax.eval_shape(caller, policy_params, obs, ctx)
+    except (TypeError, ValueError) as e:
+        raise EnvInputError(f"policy must return (action [N, 4], PolicyAux); calling it failed: "
+                            f"{e}") from e
+    if action.shape != (n, len(BRANCH_SIZES)):
+        raise EnvInputError(f"policy returned actions of shape {action.shape}; expected "
+                            f"({n}, {len(BRANCH_SIZES)})")
+    if not isinstance(aux, PolicyAux) or aux.q_gap.shape != (n,) or aux.q_var.shape != (n,):
+        raise EnvInputError(f"policy must return a PolicyAux with q_gap, q_var of shape ({n},)")
+
+
+def _assemble(flat: dict[str, np.ndarray], params: EnvParams, bar_map: np.ndarray | None,
+              stride: int) -> BacktestResult:
+    cfg = params.cfg
+    net = flat["net_pnl"].astype(np.float64)
+    if not np.isfinite(net).all():
+        j = int(np.argmax(~np.isfinite(net)))
+        raise EnvInputError(f"non-finite PnL at return bar {int(flat['bar'][j])}; check prices")
+    equity = cfg.initial_equity + np.cumsum(net)
+    prev = np.r_[cfg.initial_equity, equity[:-1]]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        returns = net / prev
+    if (equity <= 0).any():  # equity wiped out: the loss is total, nothing after it counts
+        j = int(np.argmax(equity <= 0))
+        returns[j] = -1.0
+        returns[j + 1:] = 0.0
+    bar = flat["bar"].astype(np.int64)
+    if bar_map is not None:
+        bar = bar_map[bar]
+    f64 = {k: flat[k].astype(np.float64) for k in _RECORDED if k not in
+           ("bar", "filled", "trade_closed")}
+    return BacktestResult(
+        bar=bar, returns=returns, filled=flat["filled"].astype(bool),
+        trade_closed=flat["trade_closed"].astype(bool),
+        actions=np.asarray(flat["action"]).astype(np.int32), initial_equity=cfg.initial_equity,
+        max_position=cfg.max_position, stride=stride, **f64)

@@ -1,0 +1,166 @@
+"""Performance metrics (numpy float64) with empyrical-reloaded's conventions.
+
+Return metrics take simple per-period returns ``r`` and an explicit ``periods_per_year`` (``P``):
+
+* ``total_return = ∏(1 + r) − 1``
+* ``annual_return = (∏(1 + r))^(1 / (n / P)) − 1`` (geometric)
+* ``annual_volatility = std(r, ddof=1) · √P``
+* ``sharpe = mean(r) / std(r, ddof=1) · √P`` (risk-free 0; NaN for n < 2; a constant series has
+  zero dispersion: ±inf, or NaN when all returns are 0)
+* ``sortino = mean(r) · P / (√mean(min(r, 0)²) · √P)`` (required return 0)
+* ``max_drawdown = min_j (V_j − max_{i≤j} V_i) / max_{i≤j} V_i`` with ``V = 100·∏(1 + r)`` and
+  ``V_0 = 100`` (≤ 0)
+* ``calmar = annual_return / |max_drawdown|`` (NaN when there is no drawdown)
+
+Annualisation: ``periods_per_year = sessions_per_year × session_hours × 3600 / bar_seconds``
+(or ``EvalConfig.periods_per_year`` when set), divided by the evaluation stride — the predecessor
+annualised strided evaluations as if every bar were evaluated and over-reported Sharpe by √stride.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jdqn.config import EvalConfig
+from jdqn.env.core import ACTION_LABELS, BRANCH_NAMES
+
+RETURN_KEYS = ("total_return", "annual_return", "annual_volatility", "sharpe", "sortino",
+               "calmar", "max_drawdown", "n_bars", "annualization_periods")
+
+
+def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> float:
+    """Evaluation periods per year for bars of ``bar_seconds``, corrected for ``eval_cfg.stride``."""
+    if eval_cfg.periods_per_year > 0:
+        base = float(eval_cfg.periods_per_year)
+    else:
+        if bar_seconds <= 0:
+            raise ValueError(f"bar_seconds must be > 0, got {bar_seconds}")
+        base = eval_cfg.sessions_per_year * eval_cfg.session_hours * 3600.0 / float(bar_seconds)
+    return base / eval_cfg.stride
+
+
+def total_return(r: np.ndarray) -> float:
+    return float(np.nanprod(r + 1.0) - 1.0) if len(r) else float("nan")
+
+
+def annual_return(r: np.ndarray, ppy: float) -> float:
+    if len(r) < 1:
+        return float("nan")
+    num_years = len(r) / ppy
+    return float(np.nanprod(r + 1.0) ** (1.0 / num_years) - 1.0)
+
+
+def _std(r: np.ndarray) -> float:
+    std = float(np.nanstd(r, ddof=1))
+    # Identical values: the true deviation is 0; the float mean can leave a ~1e-18 residue.
+    return 0.0 if np.isfinite(std) and np.nanmax(r) == np.nanmin(r) else std
+
+
+def annual_volatility(r: np.ndarray, ppy: float) -> float:
+    return float(_std(r) * ppy ** 0.5) if len(r) >= 2 else float("nan")
+
+
+def sharpe_ratio(r: np.ndarray, ppy: float) -> float:
+    if len(r) < 2:
+        return float("nan")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.divide(np.nanmean(r), _std(r)) * np.sqrt(ppy))
+
+
+def sortino_ratio(r: np.ndarray, ppy: float) -> float:
+    if len(r) < 2:
+        return float("nan")
+    downside = np.sqrt(np.nanmean(np.square(np.clip(r, -np.inf, 0.0)))) * np.sqrt(ppy)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.divide(np.nanmean(r) * ppy, downside))
+
+
+def drawdown_series(r: np.ndarray) -> np.ndarray:
+    """f64 [n]: drawdown (≤ 0) of the equity curve after each period."""
+    v = np.empty(len(r) + 1)
+    v[0] = 100.0
+    v[1:] = 100.0 * np.cumprod(np.where(np.isnan(r), 0.0, r) + 1.0)
+    peak = np.fmax.accumulate(v)
+    return ((v - peak) / peak)[1:]
+
+
+def max_drawdown(r: np.ndarray) -> float:
+    return float(np.nanmin(drawdown_series(r))) if len(r) else float("nan")
+
+
+def calmar_ratio(r: np.ndarray, ppy: float) -> float:
+    mdd = max_drawdown(r)
+    if not mdd < 0:
+        return float("nan")
+    out = annual_return(r, ppy) / abs(mdd)
+    return float("nan") if np.isinf(out) else float(out)
+
+
+def return_metrics(returns: Any, ppy: float) -> dict[str, float]:
+    """The return-based metrics of :data:`RETURN_KEYS` for simple per-period returns."""
+    r = np.asarray(returns, dtype=np.float64)
+    return {
+        "total_return": total_return(r), "annual_return": annual_return(r, ppy),
+        "annual_volatility": annual_volatility(r, ppy), "sharpe": sharpe_ratio(r, ppy),
+        "sortino": sortino_ratio(r, ppy), "calmar": calmar_ratio(r, ppy),
+        "max_drawdown": max_drawdown(r), "n_bars": len(r),
+        "annualization_periods": float(ppy),
+    }
+
+
+def action_distribution(actions: np.ndarray) -> dict[str, dict[str, float]]:
+    """Share of each action per branch over the decisions ``actions: int [n, 4]``."""
+    a = np.asarray(actions)
+    out = {}
+    for b, (name, labels) in enumerate(zip(BRANCH_NAMES, ACTION_LABELS, strict=True)):
+        counts = np.bincount(a[:, b], minlength=len(labels))[:len(labels)] if len(a) else \
+            np.zeros(len(labels))
+        total = max(int(counts.sum()), 1)
+        out[name] = {lab: float(c) / total for lab, c in zip(labels, counts, strict=True)}
+    return out
+
+
+def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
+    """All metrics of a :class:`BacktestResult` (or return metrics only for a returns array).
+
+    Trading metrics: ``n_trades`` closed trades (a flip closes one and opens another; every
+    position is closed by the final forced liquidation), ``hit_rate`` share of closed trades
+    with net PnL > 0, ``mean_holding_bars`` bars in a position per entry, ``exposure`` share of
+    bars in a position, ``turnover`` mean |Δposition| / max_position per bar (and per year),
+    ``cost_share`` total costs / |gross PnL| (> 1: costs exceed the gross edge), dollar totals,
+    mean sizing scale, and the action distribution per branch.
+    """
+    if not hasattr(result, "returns"):
+        return return_metrics(result, periods_per_year)
+    res = result
+    out: dict[str, Any] = return_metrics(res.returns, periods_per_year)
+    n = max(res.n_bars, 1)
+    sign = np.sign(res.position)
+    prev = np.r_[0.0, sign[:-1]]
+    entries = int(((sign != 0) & (sign != prev)).sum())
+    in_pos = int((sign != 0).sum())
+    closed = res.closed_trade_pnl[res.trade_closed]
+    gross = float(res.gross_pnl.sum())
+    costs = float(res.total_costs.sum())
+    turnover = float(np.abs(res.fill_qty).sum() / res.max_position / n)
+    out.update(
+        n_trades=int(res.trade_closed.sum()),
+        n_entries=entries,
+        hit_rate=float((closed > 0).mean()) if len(closed) else float("nan"),
+        mean_holding_bars=float(in_pos / entries) if entries else 0.0,
+        exposure=float(in_pos / n),
+        turnover=turnover,
+        annual_turnover=turnover * periods_per_year,
+        n_fills=int(res.filled.sum()),
+        gross_pnl=gross, net_pnl=float(res.net_pnl.sum()), total_costs=costs,
+        commission=float(res.commission.sum()), spread_cost=float(res.spread_cost.sum()),
+        holding_cost=float(res.holding_cost.sum()),
+        cost_share=float(costs / abs(gross)) if gross != 0 else float("nan"),
+        mean_size_scale=float(res.size_scale.mean()) if res.n_bars else float("nan"),
+        mean_abs_intended=float(np.abs(res.intended_position).mean()) if res.n_bars else 0.0,
+        mean_abs_position=float(np.abs(res.position).mean()) if res.n_bars else 0.0,
+        actions=action_distribution(res.actions),
+    )
+    return out

@@ -1,0 +1,166 @@
+"""Report folder: ``report.json``, ``returns.csv``, ``plots/*.png``, ``summary.md``.
+
+``returns.csv`` holds one row per out-of-sample bar with simple per-bar returns of equity net of
+costs, so every metric in ``report.json`` can be recomputed from it with the stated
+``annualization_periods`` (e.g. ``mean / std(ddof=1) · √P`` is the Sharpe ratio).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from jdqn.evaluate.backtest import BacktestResult
+from jdqn.evaluate.metrics import compute_metrics, drawdown_series
+
+SUMMARY_KEYS = ("sharpe", "sortino", "calmar", "max_drawdown", "total_return", "annual_return",
+                "n_trades", "hit_rate", "turnover", "cost_share")
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: NaN/inf → None, numpy scalars → Python."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _clean(x.tolist())
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    return x
+
+
+def _timestamps(timestamps: Any, n: int) -> pd.Index:
+    if timestamps is None:
+        return pd.RangeIndex(n, name="timestamp")
+    ts = np.asarray(timestamps)
+    if len(ts) != n:
+        raise ValueError(f"timestamps has {len(ts)} entries, the backtest {n} bars")
+    if np.issubdtype(ts.dtype, np.integer):
+        return pd.DatetimeIndex(pd.to_datetime(ts, unit="ns", utc=True), name="timestamp")
+    return pd.Index(pd.to_datetime(ts, utc=True), name="timestamp")
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_report(out_dir: str | Path, timestamps: Any, strategy: BacktestResult,
+                 baselines: dict[str, BacktestResult], fold_metrics: list[dict[str, Any]],
+                 periods_per_year: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the report folder and return the ``report.json`` content.
+
+    ``timestamps``: close time of each return bar (``int64`` ns since epoch, datetimes, or
+    ``None`` for bar numbers), aligned with ``strategy.bar``; every baseline must cover the same
+    bars. ``fold_metrics``: per-fold validation metric dicts from the trainer, passed through.
+    """
+    out = Path(out_dir)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    for name, res in baselines.items():
+        if res.n_bars != strategy.n_bars or not np.array_equal(res.bar, strategy.bar):
+            raise ValueError(f"baseline {name!r} does not cover the strategy's bars")
+    index = _timestamps(timestamps, strategy.n_bars)
+
+    test = compute_metrics(strategy, periods_per_year)
+    base = {name: compute_metrics(res, periods_per_year) for name, res in baselines.items()}
+    report = _clean({
+        "test": test, "baselines": base, "folds": list(fold_metrics),
+        "annualization_periods": float(periods_per_year), "stride": strategy.stride,
+        "period": {"first_bar": int(strategy.bar[0]) if strategy.n_bars else None,
+                   "last_bar": int(strategy.bar[-1]) if strategy.n_bars else None,
+                   "start": str(index[0]) if len(index) else None,
+                   "end": str(index[-1]) if len(index) else None},
+        "extra": extra or {},
+    })
+    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+
+    cols = {"bar": strategy.bar, "strategy_return": strategy.returns,
+            "position": strategy.position, "intended_position": strategy.intended_position,
+            "fill_qty": strategy.fill_qty, "net_pnl": strategy.net_pnl,
+            "costs": strategy.total_costs, "equity": strategy.equity}
+    for name, res in baselines.items():
+        cols[f"{name}_return"] = res.returns
+    pd.DataFrame(cols, index=index).to_csv(out / "returns.csv")
+
+    _plots(out / "plots", index, strategy, baselines, test)
+    _summary(out / "summary.md", report)
+    return report
+
+
+def _plots(folder: Path, index: pd.Index, strategy: BacktestResult,
+           baselines: dict[str, BacktestResult], test: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = index
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(x, np.cumprod(1 + strategy.returns), label="strategy", lw=1.5, color="black")
+    for name, res in baselines.items():
+        ax.plot(x, np.cumprod(1 + res.returns), label=name, lw=1)
+    ax.set_title("Equity (growth of 1), net of costs")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(folder / "equity.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ax.fill_between(x, drawdown_series(strategy.returns), 0, color="tab:red", alpha=0.5)
+    ax.set_title(f"Drawdown (max {test['max_drawdown']:.2%})")
+    fig.tight_layout()
+    fig.savefig(folder / "drawdown.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ax.step(x, strategy.position, where="post", label="realised", lw=1)
+    ax.step(x, strategy.intended_position, where="post", label="intended", lw=1, alpha=0.6)
+    ax.set_title("Position (contracts)")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(folder / "position.png", dpi=100)
+    plt.close(fig)
+
+    dist = test["actions"]
+    fig, axes = plt.subplots(1, len(dist), figsize=(12, 3))
+    for ax, (branch, shares) in zip(np.atleast_1d(axes), dist.items(), strict=True):
+        ax.bar(list(shares), list(shares.values()))
+        ax.set_title(branch)
+        ax.set_ylim(0, 1)
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(folder / "actions.png", dpi=100)
+    plt.close(fig)
+
+
+def _summary(path: Path, report: dict[str, Any]) -> None:
+    rows = {"strategy": report["test"], **report["baselines"]}
+    lines = ["# Out-of-sample report", "",
+             (f"{report['test']['n_bars']} bars, annualisation "
+              f"{report['annualization_periods']:.6g} periods/year, stride {report['stride']}, "
+              f"period {report['period']['start']} → {report['period']['end']}."), "",
+             "| policy | " + " | ".join(SUMMARY_KEYS) + " |",
+             "|---" * (len(SUMMARY_KEYS) + 1) + "|"]
+    for name, m in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(m.get(k)) for k in SUMMARY_KEYS) + " |")
+    if report["folds"]:
+        keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
+        lines += ["", "## Walk-forward validation", "", "| fold | " + " | ".join(keys) + " |",
+                  "|---" * (len(keys) + 1) + "|"]
+        for i, m in enumerate(report["folds"]):
+            lines.append(f"| {i} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
+    lines += ["", ("Plots: `plots/equity.png`, `plots/drawdown.png`, `plots/position.png`, "
+                   "`plots/actions.png`. Per-bar returns: `returns.csv`."), ""]
+    path.write_text("\n".join(lines))

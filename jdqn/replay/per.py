@@ -1,0 +1,266 @@
+"""Device-resident proportional prioritised replay (Schaul et al., 2016, "Prioritized Experience
+Replay", arXiv:1511.05952) over an arbitrary pytree of items.
+
+Axes: ``C`` capacity, ``B`` sample batch, ``n`` items added at once, ``S`` block size and ``G``
+blocks of the two-level cumulative sum (``G·S ≥ C``).
+
+Why no sum-tree: a float32 sum-tree that is *updated* incrementally accumulates rounding error in
+its inner nodes until it samples zero-probability (empty) slots after millions of updates
+(flashbax issue #52). Here the buffer stores only the raw priorities ``p [C]``; every call of
+:func:`sample` rebuilds the cumulative sums from them, so there is no state that could drift.
+
+Why two levels: a single float32 ``cumsum`` over ``C`` values rounds each slot's increment to the
+ulp of the running total, i.e. to a relative error of about ``C·2⁻²⁴`` of an average slot — at
+``C = 10⁷`` that is ±30% (worse: with ``p/max(p) ≤ 1`` the total is ≈ 10⁷ whose ulp is 1). We
+split the buffer into ``G`` blocks of ``S ≈ √C`` slots, take a cumulative sum *within* each block
+and one *over the block totals*; each level then has at most ``max(S, G) ≈ √C`` terms and a relative
+error of about ``√C·2⁻²⁴`` (≈ 2·10⁻⁴ at ``C = 10⁷``; ≈ 10⁻⁶ at ``C = 10⁵``). A slot is sampled
+only if its increment in the float32 cumulative sum is positive, so a zero-priority or unfilled
+slot is never drawn, at any capacity.
+
+Sampling is stratified: the total mass is cut into ``B`` equal segments and one point is drawn
+uniformly in each (as in the paper's reference implementation), which lowers the variance of the
+batch composition. Everything is pure and jittable; the result depends only on the key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PyTree = Any
+
+
+@struct.dataclass
+class ReplayState:
+    """A fixed-capacity ring buffer with priorities.
+
+    storage: pytree, every leaf ``[C, ...]``; priorities: ``f32 [C]`` raw priorities ``p`` (α is
+    applied at sampling time, 0 for unfilled slots); position: ``i32 []`` next slot to write;
+    size: ``i32 []`` number of filled slots (≤ C); max_priority: ``f32 []`` largest priority ever
+    given (new items get it, so that each is replayed at least once with high probability).
+    """
+
+    storage: PyTree
+    priorities: jax.Array
+    position: jax.Array
+    size: jax.Array
+    max_priority: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.priorities.shape[0]
+
+
+class Sample(NamedTuple):
+    items: PyTree  # leaves [B, ...]
+    indices: jax.Array  # i32 [B] slots, for update()
+    weights: jax.Array  # f32 [B] importance weights (N·P)^-β / max over the batch
+
+
+def init(capacity: int, item_example: PyTree) -> ReplayState:
+    """An empty buffer; ``item_example`` is one item (leaves without the capacity axis)."""
+    if capacity < 1:
+        raise ValueError(f"replay capacity must be ≥ 1, got {capacity}")
+    storage = jax.tree.map(
+        lambda x: jnp.zeros((capacity, *jnp.shape(x)), jnp.asarray(x).dtype), item_example)
+    return ReplayState(
+        storage=storage,
+        priorities=jnp.zeros((capacity,), jnp.float32),
+        position=jnp.zeros((), jnp.int32),
+        size=jnp.zeros((), jnp.int32),
+        max_priority=jnp.ones((), jnp.float32),
+    )
+
+
+def _batch_size(items: PyTree) -> int:
+    sizes = {x.shape[0] for x in jax.tree.leaves(items)}
+    if len(sizes) != 1:
+        raise ValueError(f"items must share one leading (batch) axis, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def add(state: ReplayState, items: PyTree) -> ReplayState:
+    """Write a batch of ``n`` items (leaves ``[n, ...]``) at the ring position, wrapping around.
+
+    New items get ``max_priority``. If ``n > C`` only the last ``C`` items are kept (exactly what
+    writing them one after another would leave), so the scatter never sees a duplicate slot.
+    """
+    n = _batch_size(items)
+    cap = state.capacity
+    if n > cap:
+        items = jax.tree.map(lambda x: x[n - cap:], items)
+        start = (state.position + (n - cap)) % cap
+        m = cap
+    else:
+        start, m = state.position, n
+    idx = (start + jnp.arange(m, dtype=jnp.int32)) % cap
+    storage = jax.tree.map(lambda buf, x: buf.at[idx].set(x.astype(buf.dtype)),
+                           state.storage, items)
+    priorities = state.priorities.at[idx].set(state.max_priority)
+    return state.replace(
+        storage=storage,
+        priorities=priorities,
+        position=((state.position + n) % cap).astype(jnp.int32),
+        size=jnp.minimum(state.size + n, cap).astype(jnp.int32),
+    )
+
+
+def _blocks(capacity: int) -> tuple[int, int]:
+    """(G, S): block count and a power-of-two block size ≈ √C."""
+    s = 1 << max(0, math.ceil(math.log2(max(1.0, math.sqrt(capacity)))))
+    return -(-capacity // s), s
+
+
+def _masses(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
+    """Unnormalised sampling masses ``q [C] = (p / max p)^α`` on filled slots, 0 elsewhere.
+
+    Dividing by the max keeps every mass in [0, 1] whatever the priority scale. If every filled
+    slot has priority 0 (or α = 0), this gives uniform sampling over the filled slots.
+    """
+    filled = jnp.arange(state.capacity) < state.size
+    p = jnp.where(filled, jnp.maximum(state.priorities, 0.0), 0.0)
+    pmax = jnp.max(p)
+    q = jnp.where(p > 0, (p / jnp.where(pmax > 0, pmax, 1.0)) ** alpha, 0.0)
+    q = jnp.where(filled, q, 0.0)
+    all_zero = jnp.logical_not(jnp.any(q > 0))
+    return jnp.where(all_zero, filled.astype(jnp.float32), q).astype(jnp.float32)
+
+
+def _cumsums(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two-level inclusive cumulative sums: within blocks ``[G, S]`` and over block totals ``[G]``."""
+    g, s = _blocks(q.shape[0])
+    local = jnp.cumsum(jnp.pad(q, (0, g * s - q.shape[0])).reshape(g, s), axis=1)
+    return local, jnp.cumsum(local[:, -1])
+
+
+def _first_above(get: Any, u: jax.Array, n: int) -> jax.Array:
+    """Vectorised binary search: the first ``j`` in ``[0, n)`` with ``get(j) > u`` (``n`` if none).
+
+    ``get(j)`` reads a non-decreasing sequence at int32 positions ``j`` (same shape as ``u``).
+    """
+    lo = jnp.zeros(u.shape, jnp.int32)
+    hi = jnp.full(u.shape, n, jnp.int32)
+    for _ in range(max(1, math.ceil(math.log2(n + 1)))):  # static, ~log2(√C) iterations
+        mid = (lo + hi) // 2
+        right = get(jnp.minimum(mid, n - 1)) <= u
+        lo = jnp.where(right, mid + 1, lo)
+        hi = jnp.where(right, hi, mid)
+    return lo
+
+
+def _locate(local: jax.Array, block_cum: jax.Array, u: jax.Array) -> jax.Array:
+    """Slots whose cumulative-mass interval contains the points ``u [B]`` (``0 ≤ u < total``)."""
+    g, s = local.shape
+    total = block_cum[-1]
+    # Keep u strictly below the total so it always falls into an interval of positive width.
+    u = jnp.clip(u, 0.0, jnp.nextafter(total, jnp.float32(0)))
+    blk = jnp.minimum(_first_above(lambda j: block_cum[j], u, g), g - 1)
+    before = jnp.where(blk > 0, block_cum[jnp.maximum(blk - 1, 0)], 0.0)
+    block_total = local[blk, s - 1]
+    # Rounding can put u - before at or past this block's total; clamp into the block.
+    u_in = jnp.clip(u - before, 0.0, jnp.nextafter(block_total, jnp.float32(0)))
+    j = jnp.minimum(_first_above(lambda k: local[blk, k], u_in, s), s - 1)
+    return blk * s + j
+
+
+def sampling_probabilities(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
+    """The exact distribution :func:`sample` draws from (``f32 [C]``), read off its own cumulative
+    sums — for tests and diagnostics. Equals ``p^α / Σ p^α`` over filled slots up to float32
+    rounding of the two-level sums."""
+    q = _masses(state, alpha)
+    local, block_cum = _cumsums(q)
+    g = local.shape[0]
+    # P(slot) = P(block) · P(slot | block), each the width of its interval in the float32 sums
+    # that the two binary searches walk.
+    slot_w = jnp.diff(jnp.concatenate([jnp.zeros((g, 1), jnp.float32), local], axis=1), axis=1)
+    block_w = jnp.diff(jnp.concatenate([jnp.zeros((1,), jnp.float32), block_cum]))
+    block_t = local[:, -1]
+    p_block = block_w / block_cum[-1]
+    probs = slot_w / jnp.where(block_t > 0, block_t, 1.0)[:, None] * p_block[:, None]
+    return probs.reshape(-1)[: q.shape[0]].astype(jnp.float32)
+
+
+def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Array,
+           beta: float | jax.Array) -> Sample:
+    """Draw ``batch`` items with ``P(i) = p_i^α / Σ_j p_j^α`` over the filled slots (stratified).
+
+    Returns the items (leaves ``[B, ...]``), their slot indices ``i32 [B]`` and importance weights
+    ``f32 [B]``: ``w_i = (N·P(i))^-β`` divided by the largest ``w`` in the batch (so ``w ≤ 1``;
+    Schaul et al. normalise by the max for stability; the batch max keeps one rarely-sampled slot
+    elsewhere in the buffer from shrinking every weight). ``N`` = number of filled slots.
+    Sampling an empty buffer is the caller's error (guard with ``size ≥ min_replay``); it returns
+    slot 0 with weight 1 rather than NaN.
+    """
+    q = _masses(state, alpha)
+    local, block_cum = _cumsums(q)
+    total = block_cum[-1]
+    u = (jnp.arange(batch, dtype=jnp.float32) + jax.random.uniform(key, (batch,))) / batch * total
+    idx = _locate(local, block_cum, u)
+    idx = jnp.clip(idx, 0, jnp.maximum(state.size - 1, 0)).astype(jnp.int32)
+    prob = q[idx] / jnp.where(total > 0, total, 1.0)
+    n = jnp.maximum(state.size, 1).astype(jnp.float32)
+    # log-space avoids overflow of (N·P)^-β for tiny P.
+    logw = -beta * jnp.log(jnp.maximum(n * prob, jnp.finfo(jnp.float32).tiny))
+    weights = jnp.exp(logw - jnp.max(logw))
+    items = jax.tree.map(lambda buf: buf[idx], state.storage)
+    return Sample(items, idx, weights.astype(jnp.float32))
+
+
+def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> ReplayState:
+    """Set the priorities of slots ``indices [B]`` to ``priorities [B]`` (e.g. per-sample loss + ε).
+
+    Duplicates: when a slot appears several times in ``indices`` the **last occurrence wins**
+    (as if the updates were applied one after another). XLA's scatter leaves the winner of
+    duplicate writes unspecified, so we sort, keep each slot's last occurrence and drop the rest
+    before scattering. Indices outside ``[0, C)`` are ignored. Negative priorities are clamped to
+    0; non-finite ones are replaced by ``max_priority`` (the NaN monitor on the loss reports the
+    cause — this only keeps the cumulative sums finite).
+    """
+    cap = state.capacity
+    indices = indices.astype(jnp.int32).reshape(-1)
+    pr = priorities.astype(jnp.float32).reshape(-1)
+    pr = jnp.where(jnp.isfinite(pr), jnp.maximum(pr, 0.0), state.max_priority)
+    order = jnp.argsort(indices, stable=True)  # equal slots keep their batch order
+    s_idx, s_pr = indices[order], pr[order]
+    is_last = jnp.concatenate([s_idx[:-1] != s_idx[1:], jnp.ones((1,), bool)])
+    target = jnp.where(is_last, s_idx, cap)  # losers go out of bounds and are dropped
+    new = state.priorities.at[target].set(s_pr, mode="drop")
+    in_range = (indices >= 0) & (indices < cap)
+    mp = jnp.maximum(state.max_priority, jnp.max(jnp.where(in_range, pr, 0.0)))
+    return state.replace(priorities=new, max_priority=mp)
+
+
+def bytes_per_transition(item_example: PyTree) -> int:
+    """Storage bytes of one item plus its f32 priority."""
+    leaves = jax.tree.leaves(item_example)
+    return sum(int(jnp.asarray(x).nbytes) for x in leaves) + 4
+
+
+class PrioritisedReplay(NamedTuple):
+    """The ``jdqn.replay`` contract as a small stateless bundle: capacity and α fixed by config.
+
+    ``PrioritisedReplay(capacity, alpha).sample(state, key, batch, beta)``; the module functions
+    take α per call instead (e.g. for an α schedule).
+    """
+
+    capacity: int
+    alpha: float
+
+    def init(self, item_example: PyTree) -> ReplayState:
+        return init(self.capacity, item_example)
+
+    def add(self, state: ReplayState, items: PyTree) -> ReplayState:
+        return add(state, items)
+
+    def sample(self, state: ReplayState, key: jax.Array, batch: int,
+               beta: float | jax.Array) -> Sample:
+        return sample(state, key, batch, self.alpha, beta)
+
+    def update(self, state: ReplayState, indices: jax.Array,
+               priorities: jax.Array) -> ReplayState:
+        return update(state, indices, priorities)

@@ -1,0 +1,301 @@
+"""Checkpoints on orbax-checkpoint 0.12: async saves, best-N + latest-N retention, a layout
+fingerprint checked before every restore, and clear errors for foreign or corrupt checkpoints.
+
+Each checkpoint step ``<directory>/<step>/`` holds three items:
+
+* ``state``  — the whole train-state pytree (``StandardSave``), with typed PRNG keys stored as
+  their raw ``key_data`` (uint32) and wrapped back on restore, so key round-trips do not depend
+  on how a given orbax version handles extended dtypes;
+* ``extra``  — a JSON dict of host-side loop state (fold index, epoch, best Sharpe, early-stop
+  counter, …);
+* ``layout`` — the layout fingerprint (JSON): every leaf's path, shape and dtype, the caller's
+  feature-schema string and their SHA-256.
+
+and orbax's metrics file (``metrics``, e.g. ``{"val_sharpe": 1.3}``) used for retention.
+
+Retention keeps the union of the ``keep_best`` checkpoints with the highest ``metric`` (higher is
+better; a missing or non-finite value ranks lowest) and the ``keep_latest`` most recent ones
+(``BestN`` + ``LatestN`` under ``AnyPreservationPolicy``; orbax ≥ 0.11.x, present in 0.12.4 and
+0.12.8).
+
+Async: :meth:`Checkpointer.save` returns once the device→host copy is done; writing goes on in
+a background thread. The caller may then donate/overwrite the state buffers. :meth:`wait`
+blocks until every pending write is committed (call it before reading a checkpoint back and
+before the process exits; :meth:`close` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Self
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jdqn.errors import CheckpointError
+
+PyTree = Any
+
+
+# ---------------------------------------------------------------------------------------------
+# layout fingerprint
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+
+
+def layout_fingerprint(state: PyTree, schema: str = "") -> dict[str, Any]:
+    """Paths, shapes and dtypes of every leaf of ``state`` (concrete or abstract) plus the
+    caller's feature-schema string, and a SHA-256 over all of it."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [[jax.tree_util.keystr(p), [int(d) for d in np.shape(x)], str(x.dtype)]
+              for p, x in flat]
+    body = {"schema": schema, "leaves": leaves}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return {**body, "sha256": digest}
+
+
+def _layout_diff(saved: dict[str, Any], want: dict[str, Any], limit: int = 6) -> str:
+    out = []
+    if saved.get("schema") != want["schema"]:
+        out.append(f"feature schema {saved.get('schema')!r} in the checkpoint vs "
+                   f"{want['schema']!r} expected")
+    a = {p: (s, d) for p, s, d in saved.get("leaves", [])}
+    b = {p: (s, d) for p, s, d in want["leaves"]}
+    only_a, only_b = [p for p in a if p not in b], [p for p in b if p not in a]
+    changed = [f"{p}: {a[p][0]} {a[p][1]} in the checkpoint vs {b[p][0]} {b[p][1]} expected"
+               for p in a if p in b and a[p] != b[p]]
+
+    def some(xs: list[str]) -> str:
+        return ", ".join(xs[:limit]) + (f" (+{len(xs) - limit} more)" if len(xs) > limit else "")
+
+    if only_a:
+        out.append(f"{len(only_a)} leaves only in the checkpoint: {some(only_a)}")
+    if only_b:
+        out.append(f"{len(only_b)} leaves missing from the checkpoint: {some(only_b)}")
+    if changed:
+        out.append(f"{len(changed)} leaves changed: {some(changed)}")
+    if not out and list(a) != list(b):
+        out.append("same leaves in a different order (the tree structure changed)")
+    return "; ".join(out) or "fingerprint differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# typed PRNG keys
+# ---------------------------------------------------------------------------------------------
+
+
+def _encode_keys(state: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """Restore target of one leaf: shape/dtype (key → its uint32 data) and a sharding."""
+    if _is_key(x):
+        x = jax.eval_shape(jax.random.key_data, x)
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # e.g. from jax.eval_shape: place on the first local device
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _key_impls(state: PyTree) -> dict[str, str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(p): str(jax.random.key_impl(x)) for p, x in flat if _is_key(x)}
+
+
+def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]) -> PyTree:
+    flat_abs, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    flat_new = treedef.flatten_up_to(restored)
+    out = []
+    for (p, a), x in zip(flat_abs, flat_new, strict=True):
+        if _is_key(a):
+            out.append(jax.random.wrap_key_data(x, impl=impls.get(jax.tree_util.keystr(p),
+                                                                  "threefry2x32")))
+        else:
+            out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpointer
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def _jsonable(d: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    def default(o: Any) -> Any:
+        if isinstance(o, (np.generic, jax.Array)) and np.ndim(o) == 0:
+            return np.asarray(o).item()
+        if isinstance(o, (np.ndarray, jax.Array)):
+            return np.asarray(o).tolist()
+        raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+    try:
+        return json.loads(json.dumps(d or {}, default=default))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {what} must be JSON-serialisable: {e}") from None
+
+
+class Checkpointer:
+    """Async orbax checkpoints with best-N/latest-N retention and a layout check on restore.
+
+    ``fingerprint`` is the caller's feature-schema string (e.g. the feature cache's schema hash
+    plus the state width); it is combined with the state's tree layout into the stored layout
+    fingerprint. ``metric`` names the key of ``metrics`` ranked for best-N (higher is better).
+    """
+
+    def __init__(self, directory: str | Path, keep_best: int = 2, keep_latest: int = 2,
+                 async_save: bool = True, fingerprint: str = "", metric: str = "val_sharpe"):
+        self.directory = Path(directory).absolute()
+        self.schema = fingerprint
+        self.metric = metric
+        self._metrics: dict[int, dict[str, Any]] = {}
+        policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+            ocp.checkpoint_managers.LatestN(n=keep_latest),
+            ocp.checkpoint_managers.BestN(get_metric_fn=self._rank, n=keep_best, reverse=False,
+                                          keep_checkpoints_without_metrics=False),
+        ])
+        # best_fn is set as well only so that orbax writes the metrics to disk (it does so only
+        # when it "tracks the best"): without them a restarted run would see the old
+        # checkpoints as metric-less and BestN would delete the best ones at the next save.
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, best_fn=self._rank, best_mode="max",
+            enable_async_checkpointing=async_save, create=True)
+        try:
+            self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        except Exception as e:  # any orbax failure becomes a user-facing error
+            raise CheckpointError(f"cannot open checkpoint directory {self.directory}: "
+                                  f"{_first_line(e)}") from e
+
+    def _rank(self, metrics: Any) -> float:
+        v = metrics.get(self.metric) if isinstance(metrics, dict) else None
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return -math.inf
+        return v if math.isfinite(v) else -math.inf
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        if step in self._metrics:
+            return self._metrics[step]
+        try:
+            return self._mngr.metrics(step)
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable metrics rank lowest
+            return None
+
+    def best_step(self) -> int | None:
+        """The retained step with the highest ``metric`` (ties: the later step); None if no
+        retained checkpoint has a finite value."""
+        best, best_v = None, -math.inf
+        for s in self.all_steps():
+            v = self._rank(self.metrics(s) or {})
+            if v > -math.inf and v >= best_v:
+                best, best_v = s, v
+        return best
+
+    # -- save / restore ----------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, metrics: dict[str, Any] | None = None,
+             extra_json: dict[str, Any] | None = None) -> None:
+        """Start saving ``state`` at ``step``; returns after the device→host copy."""
+        metrics = _jsonable(metrics, "metrics")
+        extra = _jsonable(extra_json, "extra_json")
+        layout = layout_fingerprint(state, self.schema)
+        layout["key_impls"] = _key_impls(state)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_encode_keys(state)),
+                                  extra=ocp.args.JsonSave(extra),
+                                  layout=ocp.args.JsonSave(layout))
+        try:
+            self._mngr.save(int(step), args=args, metrics=metrics, force=True)
+        except Exception as e:
+            raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
+                                  f"{_first_line(e)}") from e
+        self._metrics[int(step)] = metrics
+
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def read_layout(self, step: int) -> dict[str, Any]:
+        """The stored layout fingerprint of ``step`` (raises CheckpointError if unreadable)."""
+        self._check_step(step)
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
+            layout = out["layout"]
+            if not isinstance(layout, dict) or "sha256" not in layout:
+                raise ValueError("no layout fingerprint")
+            return layout
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt, "
+                                  f"incomplete or not a jdqn checkpoint): {_first_line(e)}") from e
+
+    def _check_step(self, step: int) -> None:
+        if step not in self._mngr.all_steps():
+            have = self.all_steps()
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available: {have or 'none'})")
+
+    def restore(self, step: int | None, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
+        """Restore ``step`` (None = latest) into the layout of ``abstract_state`` (a concrete
+        state or ``jax.eval_shape`` of one; its shardings are used where present).
+
+        Raises CheckpointError, naming the checkpoint directory, when there is no such step, the
+        layout fingerprint differs (listing what differs) or the files are corrupt.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+        step = int(step)
+        self.wait()
+        saved = self.read_layout(step)
+        want = layout_fingerprint(abstract_state, self.schema)
+        if saved["sha256"] != want["sha256"]:
+            raise CheckpointError(f"checkpoint {self._step_dir(step)} does not match this run's "
+                                  f"state layout: {_layout_diff(saved, want)}")
+        target = jax.tree.map(_abstract, abstract_state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                  extra=ocp.args.JsonRestore())
+        try:
+            out = self._mngr.restore(step, args=args)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt or "
+                                  f"incomplete): {_first_line(e)}") from e
+        state = _decode_keys(out["state"], abstract_state, saved.get("key_impls", {}))
+        return state, dict(out["extra"] or {})
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is committed."""
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"an asynchronous checkpoint save in {self.directory} "
+                                  f"failed: {_first_line(e)}") from e
+
+    def close(self) -> None:
+        self.wait()
+        self._mngr.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,148 @@
+"""Backtest engine: exact buy-and-hold, window stitching, stride, baselines, bad policies."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdqn import env as E
+from jdqn.config import EnvConfig, EvalConfig, SizingConfig
+from jdqn.evaluate import compute_metrics, rollout, run_baselines
+from jdqn.evaluate.baselines import buy_and_hold_policy
+
+T, F, W = 400, 4, 16
+MULT = 50.0
+NO_SIZING = SizingConfig(conviction=False, variance=False, kelly=False, cvar=False)
+
+
+def bars(seed: int = 0):
+    """Random bars on the 0.25 tick grid (exact in float32: < 2²⁴ ticks)."""
+    rng = np.random.default_rng(seed)
+    c = 1600 + np.round(np.cumsum(rng.normal(0, 1.0, T)) * 4) / 4
+    o = np.r_[c[0], c[:-1]] + np.round(rng.normal(0, 0.3, T) * 4) / 4
+    h = np.maximum(o, c) + 0.25 * rng.integers(0, 3, T)
+    lo = np.minimum(o, c) - 0.25 * rng.integers(0, 3, T)
+    return rng.normal(size=(T, F)).astype(np.float32), o, h, lo, c
+
+
+def zero_cost_cfg(initial_equity: float) -> EnvConfig:
+    return EnvConfig(spread_ticks=0, slippage_ticks=0, commission=0, maker_fee=0, holding_cost=0,
+                     contract_multiplier=MULT, max_position=1.0, initial_equity=initial_equity,
+                     sizing=NO_SIZING)
+
+
+def test_buy_and_hold_with_zero_costs_reproduces_the_price_path_exactly():
+    feats, o, h, lo_, c = bars()
+    lo, hi = 50, 350
+    # Equity = notional of one contract at the entry price (open of bar lo+1), so the equity
+    # curve of a constant one-contract position is the price path itself.
+    cfg = zero_cost_cfg(MULT * o[lo + 1])
+    params = E.make_params(feats, o, h, lo_, c, cfg, state_width=W)
+    res = rollout(params, buy_and_hold_policy, jnp.int32(0), lo=lo, hi=hi)
+    assert res.n_bars == hi - lo - 1 and np.array_equal(res.bar, np.arange(lo + 1, hi))
+    # Entry at open[lo+1], marks at each close, forced exit at open[hi−1].
+    path = np.r_[o[lo + 1], c[lo + 1:hi - 1], o[hi - 1]]
+    expected = path[1:] / path[:-1] - 1
+    # Prices and per-bar PnL are exact in float32 (tick multiples, integer multiplier); the only
+    # rounding is float64 division and the product: a few ulps per bar.
+    np.testing.assert_allclose(res.returns, expected, rtol=0, atol=1e-13)
+    total = np.prod(1 + res.returns) - 1
+    assert total == pytest.approx(o[hi - 1] / o[lo + 1] - 1, abs=1e-12)
+    assert res.position[:-1].min() == 1.0 and res.position[-1] == 0.0
+    assert res.total_costs.sum() == 0
+
+
+def test_costs_reconcile_and_returns_compound_to_equity():
+    feats, o, h, lo_, c = bars(1)
+    cfg = EnvConfig(contract_multiplier=MULT, holding_cost=0.3)
+    params = E.make_params(feats, o, h, lo_, c, cfg, state_width=W)
+    res = run_baselines(params, EvalConfig(), lo=10, hi=300, names=("random",))["random"]
+    np.testing.assert_allclose(res.net_pnl, res.gross_pnl - res.total_costs, atol=1e-3)
+    final = cfg.initial_equity + res.net_pnl.sum()
+    assert np.prod(1 + res.returns) * cfg.initial_equity == pytest.approx(final, rel=1e-12)
+    assert res.commission.sum() > 0 and res.spread_cost.sum() > 0
+
+
+def test_parallel_windows_cover_each_bar_once_and_are_flat_at_boundaries():
+    feats, o, h, lo_, c = bars(2)
+    params = E.make_params(feats, o, h, lo_, c, zero_cost_cfg(1e5), state_width=W)
+    one = rollout(params, buy_and_hold_policy, jnp.int32(0), lo=20, hi=320)
+    many = rollout(params, buy_and_hold_policy, jnp.int32(0), lo=20, hi=320, n_windows=7)
+    np.testing.assert_array_equal(one.bar, many.bar)
+    # 299 return bars in 7 windows of ⌈299 / 7⌉ = 43 steps; flat at each window end.
+    ends = np.flatnonzero(many.position == 0)
+    assert len(ends) == 7 and ends[-1] == many.n_bars - 1
+    np.testing.assert_array_equal(np.diff(np.r_[-1, ends])[:-1], 43)
+    # With zero costs and a one-bar gap at each boundary, returns equal except at those bars.
+    same = np.ones(many.n_bars, bool)
+    same[ends[:-1] + 1] = False
+    same[ends] = False
+    np.testing.assert_allclose(one.net_pnl[same], many.net_pnl[same], atol=1e-9)
+
+
+def test_stride_evaluates_k_bar_bars_with_original_bar_indices():
+    feats, o, h, lo_, c = bars(3)
+    params = E.make_params(feats, o, h, lo_, c, zero_cost_cfg(1e5), state_width=W)
+    k, lo, hi = 5, 10, 311
+    res = rollout(params, buy_and_hold_policy, jnp.int32(0), lo=lo, hi=hi, stride=k)
+    assert res.n_bars == (hi - 1 - lo) // k and res.stride == k
+    np.testing.assert_array_equal(res.bar, lo + k * np.arange(1, res.n_bars + 1))
+    # Entry at the first open after bar lo, exit at the first open after the penultimate decision.
+    exit_open = o[res.bar[-2] + 1]
+    assert res.net_pnl.sum() == pytest.approx(MULT * (exit_open - o[lo + 1]), abs=1e-9)
+
+
+def test_baselines_run_through_the_same_engine():
+    feats, o, h, lo_, c = bars(4)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(contract_multiplier=MULT),
+                           state_width=W)
+    out = run_baselines(params, EvalConfig(), lo=30, hi=330)
+    assert set(out) == {"flat", "buy_and_hold", "momentum", "random"}
+    assert np.all(out["flat"].returns == 0) and out["flat"].n_bars == 299
+    assert compute_metrics(out["buy_and_hold"], 1000.0)["n_trades"] == 1
+    mom = out["momentum"]
+    # Momentum's decision at bar t is the sign of close[t] − close[t−20].
+    t = mom.bar - 1
+    s = np.sign(c[t] - c[np.maximum(t - 20, 0)])
+    held = np.sign(np.r_[0, mom.position[:-1]])
+    want = np.where(held == s, 1, np.where(s > 0, 2, np.where(s < 0, 0, 1)))
+    np.testing.assert_array_equal(mom.actions[:-1, 0], want[:-1])
+    again = run_baselines(params, EvalConfig(), lo=30, hi=330, names=("random",))["random"]
+    np.testing.assert_array_equal(again.actions, out["random"].actions)
+    other = run_baselines(params, EvalConfig(random_seed=7), lo=30, hi=330,
+                          names=("random",))["random"]
+    assert not np.array_equal(other.actions, out["random"].actions)
+
+
+@pytest.mark.parametrize("bad", ["range", "nan", "shape", "aux"])
+def test_bad_policy_output_raises_a_clear_error_not_a_nan_curve(bad):
+    feats, o, h, lo_, c = bars(5)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(), state_width=W)
+
+    def policy(obs):
+        n = obs.shape[0]
+        action = jnp.tile(jnp.array([[2, 2, 0, 0]], jnp.int32), (n, 1))
+        aux = E.PolicyAux.zeros(n)
+        if bad == "range":
+            action = action.at[:, 2].set(jnp.where(obs[:, 0] > 1.0, 7, 0))
+        elif bad == "nan":
+            action = action.astype(jnp.float32).at[:, 1].set(jnp.where(obs[:, 0] > 1.0,
+                                                                       jnp.nan, 1.0))
+        elif bad == "shape":
+            action = action[:, :3]
+        else:
+            aux = E.PolicyAux(q_gap=jnp.where(obs[:, 0] > 1.0, jnp.nan, 0.0), q_var=aux.q_var)
+        return action, aux
+
+    match = {"range": "order_type action 7 out of range", "nan": "NaN", "shape": "shape",
+             "aux": "aux.q_gap"}[bad]
+    with pytest.raises(E.EnvInputError, match=match):
+        rollout(params, policy, lo=0, hi=100)
+
+
+def test_bad_period_raises():
+    feats, o, h, lo_, c = bars(5)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(), state_width=W)
+    with pytest.raises(E.EnvInputError, match="period"):
+        rollout(params, buy_and_hold_policy, jnp.int32(0), lo=390, hi=500)

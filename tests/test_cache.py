@@ -1,0 +1,104 @@
+"""Feature cache: hit on the second call with identical arrays, rebuild when a setting or the
+input changes, refusal of a file from another schema version."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jdqn.config import Config, DataConfig, FeaturesConfig, SyntheticConfig
+from jdqn.data import cache, load_or_build
+from jdqn.data import testing as tk
+from jdqn.errors import CacheError, DataError
+
+
+def _cfg(tmp_path: Path, **data) -> Config:
+    d = DataConfig(cache_dir=str(tmp_path / "cache"), synthetic=SyntheticConfig(n_bars=600),
+                   **data)
+    return Config(data=d)
+
+
+def _same(a, b) -> None:
+    for k, v in a[0].arrays().items():
+        np.testing.assert_array_equal(v, b[0].arrays()[k], err_msg=k)
+    assert a[0].bar_seconds == b[0].bar_seconds and a[0].source == b[0].source
+    np.testing.assert_array_equal(a[1].values, b[1].values)
+    assert (a[1].names, a[1].flow_idx, a[1].warmup) == (b[1].names, b[1].flow_idx, b[1].warmup)
+
+
+def test_second_call_hits_with_identical_arrays(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    first = load_or_build(cfg)
+    second = load_or_build(cfg)
+    assert first[2] is False and second[2] is True
+    _same(first, second)
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    assert not list((tmp_path / "cache").glob("*.tmp"))  # atomic write left nothing behind
+
+
+def test_changing_a_setting_rebuilds(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    load_or_build(cfg)
+    changed = dataclasses.replace(cfg, features=FeaturesConfig(ofi_window=7))
+    out = load_or_build(changed)
+    assert out[2] is False and "flow_imb_7" in out[1].names
+    assert load_or_build(changed)[2] is True
+    seed = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, synthetic=SyntheticConfig(n_bars=600, seed=1)))
+    assert load_or_build(seed)[2] is False
+    # settings that do not change bars or features share the cache entry
+    assert load_or_build(dataclasses.replace(cfg, env=dataclasses.replace(
+        cfg.env, n_envs=3)))[2] is True
+
+
+def test_a_changed_input_file_is_stale_and_rebuilt(tmp_path: Path) -> None:
+    raw = tk.random_ticks(np.random.default_rng(0), 4000, 600.0)
+    path = tk.write_ticks_csv(raw, tmp_path / "t.csv")
+    cfg = _cfg(tmp_path, source="ticks", path=str(path), bar_size="1s")
+    assert load_or_build(cfg)[2] is False
+    assert load_or_build(cfg)[2] is True
+    raw["price"][-1] += 0.25  # same size, different content and mtime
+    tk.write_ticks_csv(raw, path)
+    os.utime(path, ns=(1, 1))
+    out = load_or_build(cfg)
+    assert out[2] is False and out[0].close[-1] == raw["price"][-1]
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1  # stale entry overwritten
+
+
+def test_foreign_schema_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(tmp_path)
+    monkeypatch.setattr(cache, "SCHEMA_VERSION", 999)
+    load_or_build(cfg)
+    monkeypatch.undo()
+    with pytest.raises(CacheError) as e:
+        load_or_build(cfg)
+    msg = str(e.value)
+    assert ".npz" in msg and "999" in msg and str(cache.SCHEMA_VERSION) in msg
+    path = next((tmp_path / "cache").glob("*.npz"))
+    with np.load(path) as z:
+        assert json.loads(z["meta"].tobytes())["schema_version"] == 999
+
+
+def test_unreadable_cache_is_rebuilt_with_a_warning(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    load_or_build(cfg)
+    next((tmp_path / "cache").glob("*.npz")).write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="unreadable feature cache"):
+        assert load_or_build(cfg)[2] is False
+    assert load_or_build(cfg)[2] is True
+
+
+def test_empty_cache_dir_disables_the_cache(tmp_path: Path) -> None:
+    cfg = Config(data=DataConfig(cache_dir="", synthetic=SyntheticConfig(n_bars=600)))
+    assert load_or_build(cfg)[2] is False and load_or_build(cfg)[2] is False
+
+
+def test_missing_input_is_a_data_error_not_a_traceback(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, source="ticks", path=str(tmp_path / "nope.csv"))
+    with pytest.raises(DataError, match=r"nope\.csv: data file not found"):
+        load_or_build(cfg)

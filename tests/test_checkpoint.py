@@ -1,0 +1,161 @@
+"""Orbax checkpoints: exact round trips, async saves, retention, layout and corruption checks."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct
+
+from jdqn.config import TrainConfig
+from jdqn.errors import CheckpointError
+from jdqn.train.checkpoint import Checkpointer, layout_fingerprint
+from jdqn.train.optim import make_optimizer, set_learning_rate
+
+
+@struct.dataclass
+class State:
+    params: Any
+    opt_state: Any
+    key: jax.Array
+    env_keys: jax.Array
+    step: jax.Array
+    halted: jax.Array
+    half: jax.Array
+
+
+def _state(seed: int = 0, width: int = 8) -> State:
+    k = jax.random.key(seed)
+    params = {"dense": {"kernel": jax.random.normal(k, (4, width)), "bias": jnp.zeros(width)}}
+    opt = make_optimizer(TrainConfig(lr=1e-3))
+    opt_state = set_learning_rate(opt.init(params), 7e-4)
+    _, opt_state = opt.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    return State(params=params, opt_state=opt_state, key=jax.random.fold_in(k, 1),
+                 env_keys=jax.random.split(jax.random.key(seed + 5), 3),
+                 step=jnp.int32(1234), halted=jnp.bool_(False),
+                 half=jnp.arange(3, dtype=jnp.bfloat16))
+
+
+def _raw(x: jax.Array) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+
+def _assert_bitwise_equal(a: Any, b: Any) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(_raw(x), _raw(y))
+
+
+def test_round_trip_is_bitwise_with_optax_types_and_typed_keys(tmp_path):
+    st = _state()
+    with Checkpointer(tmp_path / "ck", fingerprint="features-v1") as ck:
+        ck.save(10, st, {"val_sharpe": 1.5}, {"fold": 1, "epoch": 4, "best_sharpe": 1.5,
+                                              "bad_epochs": np.int64(2)})
+        ck.wait()
+        for target in (st, jax.eval_shape(lambda: _state())):  # concrete or abstract target
+            got, extra = ck.restore(10, target)
+            _assert_bitwise_equal(got, st)
+            assert type(got.opt_state) is type(st.opt_state)
+            assert type(got.opt_state.inner_state[1]) is optax.ScaleByAdamState
+            assert jax.dtypes.issubdtype(got.key.dtype, jax.dtypes.prng_key)
+            assert extra == {"fold": 1, "epoch": 4, "best_sharpe": 1.5, "bad_epochs": 2}
+    # The restored key draws the same numbers.
+    np.testing.assert_array_equal(jax.random.uniform(got.key, (4,)),
+                                  jax.random.uniform(st.key, (4,)))
+
+
+def test_async_save_then_restore_while_the_state_moves_on(tmp_path):
+    st = _state(1)
+    expected = _state(1)  # the same values in separate buffers
+    ck = Checkpointer(tmp_path / "ck", async_save=True)
+    ck.save(1, st, {"val_sharpe": 0.3})
+    # Training continues: donate and overwrite the saved state's buffers while the write runs.
+    step = jax.jit(lambda s: s.replace(params=jax.tree.map(lambda p: p + 1.0, s.params),
+                                       step=s.step + 1), donate_argnums=0)
+    for _ in range(5):
+        st = step(st)
+    ck.save(2, st, {"val_sharpe": 0.1})
+    ck.wait()
+    got, _ = ck.restore(1, st)
+    _assert_bitwise_equal(got, expected)
+    got2, _ = ck.restore(None, st)  # latest
+    _assert_bitwise_equal(got2, st)
+    ck.close()
+
+
+def test_retention_keeps_best_n_by_sharpe_plus_latest_n(tmp_path):
+    st = _state()
+    sharpes = [0.5, 2.0, -1.0, float("nan"), 1.5, 0.1, 0.2]
+    ck = Checkpointer(tmp_path / "ck", keep_best=2, keep_latest=2, async_save=True)
+    for s, v in enumerate(sharpes):
+        ck.save(s, st, {"val_sharpe": v, "loss": 1.0})
+    ck.wait()
+    assert ck.all_steps() == [1, 4, 5, 6]  # best two: 1 (2.0), 4 (1.5); latest two: 5, 6
+    assert ck.best_step() == 1 and ck.latest_step() == 6
+    ck.close()
+    # A new process sees the same, reading the metrics from disk.
+    ck = Checkpointer(tmp_path / "ck", keep_best=2, keep_latest=2)
+    assert ck.best_step() == 1
+    ck.save(7, st, {"val_sharpe": 3.0})
+    ck.wait()
+    assert ck.all_steps() == [1, 6, 7] and ck.best_step() == 7
+    ck.close()
+
+
+def test_foreign_layout_is_refused_with_a_clear_message(tmp_path):
+    d = tmp_path / "ck"
+    with Checkpointer(d, fingerprint="features-v1") as ck:
+        ck.save(3, _state(), {"val_sharpe": 1.0})
+    with Checkpointer(d, fingerprint="features-v2") as ck, pytest.raises(CheckpointError) as e:
+        ck.restore(3, _state())
+    msg = str(e.value)
+    assert str(d / "3") in msg and "'features-v1'" in msg and "'features-v2'" in msg
+    with Checkpointer(d, fingerprint="features-v1") as ck:
+        with pytest.raises(CheckpointError) as e:
+            ck.restore(3, _state(width=16))
+        msg = str(e.value)
+        assert str(d / "3") in msg and ".params['dense']['kernel']: [4, 8] float32" in msg
+        assert "[4, 16] float32 expected" in msg
+        bigger = {"state": _state(), "extra_leaf": jnp.zeros(2)}
+        with pytest.raises(CheckpointError, match="missing from the checkpoint"):
+            ck.restore(3, bigger)
+        with pytest.raises(CheckpointError, match=r"no checkpoint for step 9 .*available: \[3\]"):
+            ck.restore(9, _state())
+
+
+@pytest.mark.parametrize("damage", ["data", "layout", "metadata"])
+def test_corrupted_checkpoint_is_refused_naming_the_path(tmp_path, damage):
+    d = tmp_path / "ck"
+    with Checkpointer(d) as ck:
+        ck.save(5, _state(), {"val_sharpe": 1.0})
+    if damage == "data":  # same-size garbage in every data file (OCDBT checksums catch it)
+        files = glob.glob(str(d / "5" / "state" / "**" / "d" / "*"), recursive=True)
+        assert files
+        for f in files:
+            with open(f, "r+b") as fh:
+                fh.write(os.urandom(os.path.getsize(f)))
+    elif damage == "layout":
+        (d / "5" / "layout" / "metadata").write_text("{truncated")
+    else:
+        (d / "5" / "state" / "_METADATA").write_text("garbage")
+    with Checkpointer(d) as ck, pytest.raises(CheckpointError, match=rf"checkpoint {d / '5'} is "
+                                                "unreadable"):
+        ck.restore(5, _state())
+
+
+def test_bad_extra_json_and_fingerprint_contents(tmp_path):
+    with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointError, match="JSON-s"):
+        ck.save(1, _state(), {"val_sharpe": 1.0}, {"fn": object()})
+    fp = layout_fingerprint(_state(), "s")
+    assert fp["schema"] == "s" and len(fp["sha256"]) == 64
+    assert [".key", [], "key<fry>"] in fp["leaves"]
+    assert layout_fingerprint(jax.eval_shape(lambda: _state()), "s") == fp

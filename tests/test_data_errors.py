@@ -1,0 +1,185 @@
+"""Bad input → one-line DataError naming the file, the row (row 1 = first data row; CSV adds the
+physical line) and the field. Never a numpy/pyarrow traceback, never a silent result."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jdqn.config import ColumnMap, DataConfig
+from jdqn.data import load_bars
+from jdqn.errors import DataError
+
+TICKS = """timestamp,price,size
+2024-01-02 14:30:00.100,4000.25,3
+2024-01-02 14:30:00.200,4000.50,1
+2024-01-02 14:30:01.000,4000.25,2
+"""
+OHLCV = """timestamp,open,high,low,close,volume
+2024-01-02 14:31:00,10,11,9,10.5,100
+2024-01-02 14:32:00,10.5,11,10,10.75,50
+2024-01-02 14:33:00,10.75,12,10.5,11,70
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "in.csv") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _replace_line(text: str, line: int, new: str) -> str:
+    lines = text.splitlines()
+    lines[line - 1] = new
+    return "\n".join(lines) + "\n"
+
+
+def _error(cfg: DataConfig) -> str:
+    with pytest.raises(DataError) as e:
+        load_bars(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert e.value.__cause__ is None or isinstance(e.value.__cause__, DataError)
+    return msg
+
+
+def _ticks(tmp_path: Path, text: str, **kw) -> DataConfig:
+    return DataConfig(source="ticks", path=_write(tmp_path, text), bar_size="1s", **kw)
+
+
+def _ohlcv(tmp_path: Path, text: str, **kw) -> DataConfig:
+    return DataConfig(source="ohlcv", path=_write(tmp_path, text), **kw)
+
+
+def test_good_inputs_load(tmp_path: Path) -> None:
+    assert len(load_bars(_ticks(tmp_path, TICKS))) == 1  # 14:30:01.000 closes the 1st 1-s bar
+    assert len(load_bars(_ohlcv(tmp_path, OHLCV))) == 3
+
+
+def test_missing_file() -> None:
+    for source in ("ticks", "ohlcv", "dbn"):
+        msg = _error(DataConfig(source=source, path="/nonexistent/x.csv"))
+        assert "/nonexistent/x.csv" in msg and "not found" in msg
+
+
+@pytest.mark.parametrize("text,what", [("", "empty file"), ("timestamp,price,size\n",
+                                                              "no data rows")])
+def test_empty_file(tmp_path: Path, text: str, what: str) -> None:
+    msg = _error(_ticks(tmp_path, text))
+    assert "in.csv" in msg and what in msg
+
+
+def test_missing_column_names_field_and_config_key(tmp_path: Path) -> None:
+    msg = _error(_ticks(tmp_path, TICKS.replace("size", "qty")))
+    assert "in.csv" in msg and "missing column 'size'" in msg and "data.columns.size" in msg
+    assert "qty" in msg  # the columns that are there
+    msg = _error(_ohlcv(tmp_path, OHLCV, columns=ColumnMap(close="Close")))
+    assert "missing column 'Close'" in msg
+
+
+@pytest.mark.parametrize("value,problem", [("nan", "NaN price"), ("", "missing value"),
+                                           ("-1.5", "non-positive price -1.5"),
+                                           ("0", "non-positive price 0"),
+                                           ("abc", "not a number: 'abc'")])
+def test_bad_tick_price(tmp_path: Path, value: str, problem: str) -> None:
+    text = _replace_line(TICKS, 3, f"2024-01-02 14:30:00.200,{value},1")
+    msg = _error(_ticks(tmp_path, text))
+    assert re.search(r"in\.csv: row 2 \(line 3\), field 'price': ", msg), msg
+    assert problem in msg
+
+
+def test_bad_ohlcv_price_and_row_counting_with_skip_rows(tmp_path: Path) -> None:
+    text = "exported by some tool\nsecond junk line\n" + _replace_line(
+        OHLCV, 4, "2024-01-02 14:33:00,10.75,12,10.5,nan,70")
+    msg = _error(_ohlcv(tmp_path, text, skip_rows=2))
+    assert "row 3 (line 6), field 'close': NaN price" in msg
+
+
+def test_non_positive_size_and_high_below_low(tmp_path: Path) -> None:
+    msg = _error(_ticks(tmp_path, _replace_line(TICKS, 2, "2024-01-02 14:30:00.100,4000,-2")))
+    assert "row 1 (line 2), field 'size'" in msg and "negative" in msg
+    msg = _error(_ohlcv(tmp_path, _replace_line(OHLCV, 3, "2024-01-02 14:32:00,10.5,9,10,10,5")))
+    assert "row 2 (line 3), field 'high'" in msg
+
+
+@pytest.mark.parametrize("stamp", ["2024-13-02 14:30:00", "yesterday", ""])
+def test_unparseable_timestamp(tmp_path: Path, stamp: str) -> None:
+    text = _replace_line(TICKS, 4, f"{stamp},4000.25,2")
+    msg = _error(_ticks(tmp_path, text))
+    assert "row 3 (line 4), field 'timestamp'" in msg
+    assert "unparseable timestamp" in msg
+
+
+def test_unparseable_timestamp_with_strftime_and_unix_formats(tmp_path: Path) -> None:
+    text = "timestamp,price,size\n02/01/2024 14:30:00,10,1\n2024-01-02 14:30:01,10,1\n"
+    msg = _error(_ticks(tmp_path, text, timestamp_format="%d/%m/%Y %H:%M:%S"))
+    assert "row 2 (line 3), field 'timestamp'" in msg and "%d/%m/%Y" in msg
+    text = "timestamp,price,size\n1704205800,10,1\nsoon,10,1\n"
+    msg = _error(_ticks(tmp_path, text, timestamp_format="unix_s"))
+    assert "row 2 (line 3), field 'timestamp'" in msg
+
+
+def test_duplicate_ohlcv_timestamp_names_both_rows(tmp_path: Path) -> None:
+    text = _replace_line(OHLCV, 4, "2024-01-02 14:32:00,10.75,12,10.5,11,70")
+    msg = _error(_ohlcv(tmp_path, text))
+    assert "row 3 (line 4), field 'timestamp'" in msg and "duplicate timestamp" in msg
+    assert "row 2" in msg
+
+
+def test_ticks_may_share_a_timestamp(tmp_path: Path) -> None:
+    text = TICKS + "2024-01-02 14:30:01.000,4000.50,4\n"
+    b = load_bars(_ticks(tmp_path, text))
+    assert b.volume.sum() == 10
+
+
+def test_dst_gap_local_time_is_an_error(tmp_path: Path) -> None:
+    text = "timestamp,price,size\n2024-03-10 02:30:00,10,1\n"  # does not exist in Chicago
+    msg = _error(_ticks(tmp_path, text, timezone="America/Chicago"))
+    assert "row 1 (line 2), field 'timestamp'" in msg and "DST" in msg
+
+
+def test_bad_side_value(tmp_path: Path) -> None:
+    text = "timestamp,price,size,side\n2024-01-02 14:30:00,10,1,B\n2024-01-02 14:30:01,10,1,X\n"
+    msg = _error(_ticks(tmp_path, text, columns=ColumnMap(side="side")))
+    assert "row 2 (line 3), field 'side'" in msg
+
+
+def test_garbage_and_wrong_kind_files(tmp_path: Path) -> None:
+    p = tmp_path / "x.dbn"
+    p.write_bytes(b"not a dbn file at all")
+    assert "not a DBN file" in _error(DataConfig(source="dbn", path=str(p)))
+    p = tmp_path / "x.parquet"
+    p.write_bytes(b"PAR1 broken")
+    msg = _error(DataConfig(source="ticks", path=str(p)))
+    assert "x.parquet" in msg and "cannot read as parquet" in msg
+
+
+def test_parquet_errors_count_rows_from_one(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"timestamp": np.array([1, 2, 3], "datetime64[s]"),
+                             "price": [1.0, np.nan, 2.0], "size": [1.0, 1.0, 1.0]}), p)
+    msg = _error(DataConfig(source="ticks", path=str(p)))
+    assert "t.parquet: row 2, field 'price': NaN price" in msg
+
+
+def test_truncated_dbn_and_out_of_range_unix_stamps(tmp_path: Path) -> None:
+    import databento_dbn as dbn
+
+    from jdqn.data import testing as tk
+
+    raw = tk.random_mbp10(np.random.default_rng(0), 20, 5.0)
+    full = tk.encode_dbn(dbn.Schema.MBP_10, tk.mbp10_records(raw))
+    for name, data in (("cut.dbn", full[:-100]), ("head.dbn", full[:20])):
+        p = tmp_path / name
+        p.write_bytes(data)
+        msg = _error(DataConfig(source="dbn", path=str(p)))
+        assert name in msg and "truncated" in msg
+    text = "timestamp,price,size\n1704205800,10,1\n-1e30,10,1\n"
+    msg = _error(_ticks(tmp_path, text, timestamp_format="unix_s"))
+    assert "row 2 (line 3), field 'timestamp'" in msg and "out of range" in msg

@@ -1,0 +1,123 @@
+"""Table inputs: column mapping, timestamp formats and zones, skip_rows, ordering, Parquet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jdqn.config import ColumnMap, DataConfig
+from jdqn.data import load_bars
+from jdqn.data.bars import NS
+from jdqn.errors import DataError
+
+UTC_1430 = int(pd.Timestamp("2024-01-02 14:30:00", tz="UTC").value)  # a whole minute
+
+
+def _csv(tmp_path: Path, text: str, name: str = "in.csv") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("fmt,stamps", [
+    ("", ["2024-01-02T14:30:00Z", "2024-01-02T14:31:00Z"]),
+    ("", ["2024-01-02 08:30:00-06:00", "2024-01-02 08:31:00-06:00"]),
+    ("unix_s", ["1704205800", "1704205860"]),
+    ("unix_s", ["1704205800.0", "1704205860.0"]),
+    ("unix_ms", ["1704205800000", "1704205860000"]),
+    ("unix_us", ["1704205800000000", "1704205860000000"]),
+    ("unix_ns", ["1704205800000000000", "1704205860000000000"]),
+    ("%d/%m/%Y %H:%M", ["02/01/2024 14:30", "02/01/2024 14:31"]),
+])
+def test_timestamp_formats(tmp_path: Path, fmt: str, stamps: list[str]) -> None:
+    text = "t,o,h,l,c,v\n" + "".join(f"{s},10,11,9,10,5\n" for s in stamps)
+    cols = ColumnMap(timestamp="t", open="o", high="h", low="l", close="c", volume="v")
+    b = load_bars(DataConfig(source="ohlcv", path=_csv(tmp_path, text), columns=cols,
+                             timestamp_format=fmt))
+    np.testing.assert_array_equal(b.ts, [UTC_1430, UTC_1430 + 60 * NS])
+
+
+def test_naive_stamps_are_in_the_configured_zone(tmp_path: Path) -> None:
+    text = "timestamp,open,high,low,close,volume\n2024-01-02 08:30:00,10,11,9,10,5\n"
+    b = load_bars(DataConfig(source="ohlcv", path=_csv(tmp_path, text),
+                             timezone="America/Chicago"))
+    assert b.ts[0] == UTC_1430
+
+
+def test_skip_rows_open_label_price_scale_and_flow_columns(tmp_path: Path) -> None:
+    text = ("# junk\n"
+            "time,open,high,low,close,volume,buys,sells\n"
+            "2024-01-02 14:29:00,1000,1100,900,1050,10,6,4\n"
+            "2024-01-02 14:30:00,1050,1100,1000,1075,20,5,15\n")
+    cols = ColumnMap(timestamp="time", buy_volume="buys", sell_volume="sells")
+    b = load_bars(DataConfig(source="ohlcv", path=_csv(tmp_path, text), columns=cols,
+                             skip_rows=1, timestamp_label="open", price_scale=0.01))
+    np.testing.assert_array_equal(b.ts, [UTC_1430, UTC_1430 + 60 * NS])  # stamp + bar length
+    np.testing.assert_allclose(b.close, [10.5, 10.75])
+    np.testing.assert_array_equal(b.buy_volume, [6, 5])
+    assert b.has_flow
+
+
+def test_descending_ohlcv_is_sorted_with_a_warning_naming_the_file(tmp_path: Path) -> None:
+    text = ("timestamp,open,high,low,close,volume\n"
+            "2024-01-02 14:32:00,3,3,3,3,1\n2024-01-02 14:31:00,2,2,2,2,1\n"
+            "2024-01-02 14:30:00,1,1,1,1,1\n")
+    path = _csv(tmp_path, text, "desc.csv")
+    with pytest.warns(UserWarning, match=r"desc\.csv.*descending"):
+        b = load_bars(DataConfig(source="ohlcv", path=path))
+    np.testing.assert_array_equal(b.close, [1, 2, 3])
+    assert (np.diff(b.ts) > 0).all()
+
+
+def test_unordered_ticks_are_stably_sorted_with_a_warning(tmp_path: Path) -> None:
+    text = ("timestamp,price,size\n2024-01-02 14:30:00.5,10,1\n2024-01-02 14:30:00.2,11,2\n"
+            "2024-01-02 14:30:00.9,12,3\n")
+    with pytest.warns(UserWarning, match="not in time order"):
+        b = load_bars(DataConfig(source="ticks", path=_csv(tmp_path, text), bar_size="1s"))
+    assert b.open[0] == 11 and b.close[0] == 12
+
+
+@pytest.mark.parametrize("sides,buy", [(["B", "A", "N"], 1 + 1.5), (["buy", "sell", ""], 1 + 1.5),
+                                       (["1", "-1", "0"], 1 + 1.5)])
+def test_side_column_spellings(tmp_path: Path, sides: list[str], buy: float) -> None:
+    rows = [("14:30:00.1", 10, 1), ("14:30:00.2", 10, 2), ("14:30:00.3", 10, 3)]
+    text = "timestamp,price,size,side\n" + "".join(
+        f"2024-01-02 {t},{p},{s},{sd}\n" for (t, p, s), sd in zip(rows, sides, strict=True))
+    b = load_bars(DataConfig(source="ticks", path=_csv(tmp_path, text), bar_size="1s",
+                             columns=ColumnMap(side="side")))
+    # third trade: unknown side, no price change yet → half each way
+    assert b.buy_volume[0] == buy and b.sell_volume[0] == 6 - buy
+
+
+def test_parquet_ticks_with_timestamp_type_and_integer_stamps(tmp_path: Path) -> None:
+    ts = UTC_1430 + np.array([1, 2, 61]) * NS
+    p1 = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"timestamp": pa.array(ts.astype("datetime64[ns]")).cast(
+        pa.timestamp("ns", tz="UTC")), "price": [1.0, 2.0, 3.0], "size": [1.0, 1.0, 1.0]}), p1)
+    p2 = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"timestamp": ts // 1_000_000, "price": [1.0, 2.0, 3.0],
+                             "size": [1.0, 1.0, 1.0]}), p2)
+    b1 = load_bars(DataConfig(source="ticks", path=str(p1)))
+    b2 = load_bars(DataConfig(source="ticks", path=str(p2), timestamp_format="unix_ms"))
+    for b in (b1, b2):
+        np.testing.assert_array_equal(b.ts, [UTC_1430 + 60 * NS, UTC_1430 + 120 * NS])
+        np.testing.assert_array_equal(b.close, [2.0, 3.0])
+
+
+def test_unknown_builtin_and_empty_path() -> None:
+    with pytest.raises(DataError, match="builtin:es_ticks"):
+        load_bars(DataConfig(source="ticks", path="builtin:nope"))
+    with pytest.raises(DataError, match="data.path is empty"):
+        load_bars(DataConfig(source="ticks", path=""))
+
+
+def test_ohlcv_refuses_volume_bars(tmp_path: Path) -> None:
+    text = "timestamp,open,high,low,close,volume\n2024-01-02 14:30:00,1,1,1,1,1\n"
+    with pytest.raises(DataError, match="bar_type"):
+        load_bars(DataConfig(source="ohlcv", path=_csv(tmp_path, text), bar_type="volume",
+                             bar_threshold=10.0))

@@ -1,0 +1,363 @@
+"""Hand-computed micro scenarios for the env: fills, costs, churn, flips, liquidation, sizing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdqn import env as E
+from jdqn.config import EnvConfig, SizingConfig
+
+# Ten bars with known prices (tick 0.25). low ≤ open, close ≤ high everywhere.
+O = [100, 101, 101.5, 100, 100.5, 101, 102, 101, 100, 100]
+H = [100.5, 102, 102, 100.25, 101, 101.5, 102.5, 102, 101, 100.5]
+L = [99.5, 100.5, 99, 99.75, 100, 100.5, 101.5, 100.5, 99.5, 99.5]
+C = [100, 101.5, 100, 100, 100.75, 101.25, 102, 101, 99.75, 100]
+MULT, E0 = 10.0, 10_000.0
+NO_SIZING = SizingConfig(conviction=False, variance=False, kelly=False, cvar=False)
+BASE = {"tick_size": 0.25, "spread_ticks": 0.0, "slippage_ticks": 0.0, "commission": 0.0,
+        "maker_fee": 0.0, "holding_cost": 0.0, "contract_multiplier": MULT, "initial_equity": E0,
+        "max_position": 1.0, "limit_expiry": (1, 2, 3), "sizing": NO_SIZING, "n_envs": 1,
+        "episode_length": 4}
+
+
+def make(training: bool = True, **kw) -> E.EnvParams:
+    cfg = EnvConfig(**{**BASE, **kw})
+    feats = np.arange(len(C) * 2, dtype=np.float32).reshape(len(C), 2)
+    return E.make_params(feats, O, H, L, C, cfg, training=training, state_width=8)
+
+
+def act(d: int, m: int = 2, o: int = E.MARKET, u: int = 0) -> jnp.ndarray:
+    return jnp.array([[d, m, o, u]], jnp.int32)
+
+
+def run(params: E.EnvParams, actions: list, last: int = 8, aux: E.PolicyAux | None = None):
+    """Step one episode from bar 0 through ``actions``; return per-step (reward, done, info)."""
+    state = E.reset_at(params, jnp.array([0]), jnp.array([last]))
+    aux = E.PolicyAux.zeros(1) if aux is None else aux
+    out = []
+    for a in actions:
+        state, r, d, info = E.step(params, state, a, aux)
+        out.append((float(r[0]), bool(d[0]), {k: np.asarray(v)[0] for k, v in info.items()}))
+    return state, out
+
+
+# ------------------------------------------------------------------ market orders and costs
+
+
+def test_market_buy_fills_at_next_open_and_marks_to_close():
+    _, out = run(make(), [act(E.LONG), act(E.HOLD)])
+    (r1, _, i1), (_, _, i2) = out
+    assert i1["fill_price"] == 101 and i1["position"] == 1
+    assert i1["gross_pnl"] == MULT * (101.5 - 101)
+    assert r1 == pytest.approx(5.0 / E0, rel=1e-6)
+    assert i2["gross_pnl"] == MULT * (100 - 101.5) and not i2["filled"]
+
+
+def test_market_order_pays_half_spread_slippage_and_commission():
+    _, out = run(make(spread_ticks=2, slippage_ticks=1, commission=2.0), [act(E.LONG)])
+    r, _, i = out[0]
+    assert i["fill_price"] == 101 + 0.25 + 0.25
+    assert i["spread_cost"] == pytest.approx(MULT * 0.5)
+    assert i["commission"] == 2.0
+    assert i["net_pnl"] == pytest.approx(5.0 - 5.0 - 2.0)
+    assert r == pytest.approx(-2.0 / E0, rel=1e-6)
+
+
+def test_market_sell_pays_costs_on_the_other_side():
+    _, out = run(make(spread_ticks=2, slippage_ticks=1, commission=2.0), [act(E.SHORT, m=1)])
+    i = out[0][2]
+    assert i["fill_qty"] == -0.5 and i["fill_price"] == 101 - 0.5
+    # −0.5 × (101.5 − 101) × 10 − 0.5 × 0.5 × 10 − 0.5 × 2
+    assert i["net_pnl"] == pytest.approx(-2.5 - 2.5 - 1.0)
+
+
+def test_holding_cost_per_contract_per_bar():
+    _, out = run(make(holding_cost=1.5), [act(E.LONG, m=1), act(E.HOLD), act(E.FLAT)])
+    assert [o[2]["holding_cost"] for o in out] == [0.75, 0.75, 0.0]
+
+
+def test_magnitudes_are_quarter_half_full_of_max_position():
+    for m, q in enumerate((0.5, 1.0, 2.0)):
+        _, out = run(make(max_position=2.0), [act(E.LONG, m=m)])
+        assert out[0][2]["position"] == q
+
+
+# ------------------------------------------------------------------ limit orders
+
+
+def test_limit_at_touch_that_does_not_fill_expires():
+    # Buy at touch = close[0] − half spread = 99.75; bar 1's low is 100.5: no fill; urgency 0
+    # lives one bar, so bar 2 (low 99) no longer fills it.
+    _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_TOUCH, u=0), act(E.HOLD)])
+    assert not out[0][2]["filled"] and not out[1][2]["filled"]
+    assert out[1][2]["position"] == 0
+
+
+def test_limit_at_touch_fills_within_expiry_at_limit_price_with_maker_fee():
+    _, out = run(make(spread_ticks=2, maker_fee=0.5, commission=9.0),
+                 [act(E.LONG, o=E.LIMIT_TOUCH, u=1), act(E.HOLD)])
+    assert not out[0][2]["filled"]
+    i = out[1][2]
+    assert i["filled"] and i["fill_price"] == 99.75 and i["position"] == 1
+    assert i["commission"] == 0.5 and i["spread_cost"] == 0.0
+    assert i["net_pnl"] == pytest.approx(MULT * (100 - 99.75) - 0.5)
+
+
+def test_passive_limit_is_one_tick_further():
+    _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_PASSIVE, u=1), act(E.HOLD)])
+    assert out[1][2]["fill_price"] == 99.5
+    assert out[1][2]["gross_pnl"] == MULT * (100 - 99.5)
+
+
+def test_limit_fills_only_when_traded_through_not_at_touch():
+    # Decide at bar 2 (close 100): buy limit 99.75; bar 3's low is exactly 99.75 → no fill.
+    _, out = run(make(spread_ticks=2), [act(E.FLAT), act(E.FLAT),
+                                        act(E.LONG, o=E.LIMIT_TOUCH, u=0)])
+    assert not out[2][2]["filled"]
+
+
+def test_sell_limit_fills_when_high_trades_through():
+    _, out = run(make(spread_ticks=2), [act(E.SHORT, o=E.LIMIT_TOUCH)])
+    i = out[0][2]
+    assert i["filled"] and i["fill_price"] == 100.25 and i["position"] == -1
+    assert i["gross_pnl"] == MULT * -(101.5 - 100.25)
+
+
+def test_new_order_cancels_pending_limit():
+    _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_TOUCH, u=2), act(E.FLAT)])
+    assert not out[1][2]["filled"] and out[1][2]["position"] == 0  # bar 2 would have filled it
+
+
+# ------------------------------------------------------------------ flips and churn
+
+
+def test_flip_and_churn_penalty_at_age_zero():
+    params = make(commission=2.0, churn_penalty=0.01, churn_window=4)
+    _, out = run(params, [act(E.LONG), act(E.SHORT)])
+    r, _, i = out[1]
+    assert i["fill_qty"] == -2 and i["position"] == -1
+    assert i["gross_pnl"] == MULT * (1 * (100 - 101.5) + (-2) * (100 - 101.5))
+    assert i["churn_penalty"] == pytest.approx(0.01)
+    assert r == pytest.approx((15 - 4) / E0 - 0.01, rel=1e-5)
+    # Exact split of the flip bar: the closing leg gets its mark (0) and one commission.
+    assert i["trade_closed"] and i["closed_trade_pnl"] == pytest.approx(3.0 - 2.0)
+
+
+def test_churn_penalty_is_graduated_and_zero_beyond_window():
+    def penalty(holds: int) -> float:
+        acts = [act(E.LONG)] + [act(E.HOLD)] * holds + [act(E.SHORT)]
+        return float(run(make(churn_penalty=0.01, churn_window=4), acts)[1][-1][2]
+                     ["churn_penalty"])
+
+    assert penalty(0) == pytest.approx(0.01)
+    assert penalty(2) == pytest.approx(0.005)
+    assert penalty(4) == 0.0 and penalty(5) == 0.0
+
+
+def test_closing_to_flat_is_not_churn():
+    _, out = run(make(churn_penalty=0.01), [act(E.LONG), act(E.FLAT)])
+    assert out[1][2]["churn_penalty"] == 0 and out[1][2]["trade_closed"]
+
+
+# ------------------------------------------------------------------ episode end
+
+
+def test_forced_liquidation_on_last_step_with_costs():
+    params = make(commission=2.0, spread_ticks=2)
+    state, out = run(params, [act(E.LONG), act(E.HOLD), act(E.LONG)], last=2)
+    assert [o[1] for o in out] == [False, False, True]
+    i = out[2][2]
+    assert i["position"] == 0 and i["fill_qty"] == -1 and i["fill_price"] == 100 - 0.25
+    assert i["commission"] == 2.0 and i["spread_cost"] == MULT * 0.25
+    assert int(state.t[0]) == 3
+
+
+def test_forced_liquidation_cancels_pending_limit():
+    state, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_TOUCH, u=2)], last=0)
+    assert out[0][1] and out[0][2]["position"] == 0 and int(state.pend_left[0]) == 0
+
+
+def test_reward_is_equity_relative_net_pnl_and_opportunity_cost_only_in_training():
+    aux = E.PolicyAux(q_gap=jnp.array([2.0]), q_var=jnp.array([0.0]))
+    _, out = run(make(opportunity_cost=0.1), [act(E.FLAT)], aux=aux)
+    assert out[0][0] == pytest.approx(-0.2)
+    _, out = run(make(training=False, opportunity_cost=0.1), [act(E.FLAT)], aux=aux)
+    assert out[0][0] == 0.0
+
+
+# ------------------------------------------------------------------ sizing chain
+
+
+def test_sizing_with_every_factor_at_its_floor_keeps_min_share():
+    sizing = SizingConfig(kelly_min_trades=20, cvar_limit=1e-9, min_share=0.1)
+    cfg = dataclasses.replace(EnvConfig(), sizing=sizing)
+    n = jnp.array([20])
+    scale, f = E.sizing_factors(cfg.sizing, jnp.array([0.0]), jnp.array([1e6]), n,
+                                jnp.array([0]), jnp.array([0.0]), jnp.array([500.0]),
+                                jnp.array([1.0]))
+    for name in E.FACTOR_NAMES:  # every factor sits at its floor
+        floor = {"conviction": sizing.conviction_floor, "variance": sizing.conviction_floor,
+                 "kelly": sizing.kelly_floor, "cvar": sizing.cvar_floor}[name]
+        assert float(f[name][0]) == pytest.approx(floor)
+    assert float(scale[0]) >= sizing.min_share - 1e-7
+    # Through the env: realised target ≥ min_share × intended.
+    params = make(sizing=sizing)
+    state = E.reset_at(params, jnp.array([0]), jnp.array([8])).replace(
+        n_trades=jnp.array([20]), n_wins=jnp.array([0]), sum_loss=jnp.array([500.0]))
+    _, _, _, info = E.step(params, state, act(E.LONG), E.PolicyAux(jnp.array([0.0]),
+                                                                   jnp.array([1e6])))
+    intended, target = float(info["intended_position"][0]), float(info["target_position"][0])
+    assert intended == 1.0 and target >= sizing.min_share * intended - 1e-7
+
+
+def test_sizing_factors_values():
+    s = SizingConfig()
+    args = (jnp.array([0.5]), jnp.array([0.0]))
+    scale, f = E.sizing_factors(s, *args, jnp.array([0]), jnp.array([0]), jnp.array([0.0]),
+                                jnp.array([0.0]), jnp.array([0.0]))
+    assert float(f["conviction"][0]) == 0.5 and float(scale[0]) == 0.5
+    # Kelly after 20 trades with p = 0.75, payoff 2: f = 0.75 − 0.25 / 2 = 0.625.
+    _, f = E.sizing_factors(s, *args, jnp.array([20]), jnp.array([15]), jnp.array([30.0]),
+                            jnp.array([5.0]), jnp.array([0.0]))
+    assert float(f["kelly"][0]) == pytest.approx(0.625)
+    _, f = E.sizing_factors(s, *args, jnp.array([19]), jnp.array([0]), jnp.array([0.0]),
+                            jnp.array([9.0]), jnp.array([0.0]))
+    assert float(f["kelly"][0]) == 1.0  # not enough trades yet
+    # Variance scale floored by conviction.
+    _, f = E.sizing_factors(s, jnp.array([0.8]), jnp.array([99.0]), *(jnp.array([0]),) * 2,
+                            jnp.array([0.0]), jnp.array([0.0]), jnp.array([0.0]))
+    assert float(f["variance"][0]) == pytest.approx(0.8)
+
+
+def test_sizing_reports_intended_and_realised_position():
+    params = make(sizing=SizingConfig(variance=False, kelly=False, cvar=False))
+    aux = E.PolicyAux(q_gap=jnp.array([0.5]), q_var=jnp.array([0.0]))
+    _, out = run(params, [act(E.LONG)], aux=aux)
+    i = out[0][2]
+    assert i["intended_position"] == 1.0 and i["position"] == 0.5 and i["size_scale"] == 0.5
+
+
+# ------------------------------------------------------------------ observation, reset, vmap
+
+
+def test_observation_layout_and_obs_from_index():
+    params = make()
+    state, _ = run(params, [act(E.LONG), act(E.HOLD)])
+    obs = np.asarray(E.observe(params, state))
+    assert obs.shape == (1, 8)
+    np.testing.assert_array_equal(obs[0, :2], np.asarray(params.features[2]))
+    assert obs[0, 2] == 1.0 and obs[0, 5] == 1.0  # position, last direction
+    assert obs[0, 4] == pytest.approx(np.log1p(1) / np.log1p(1000))
+    np.testing.assert_array_equal(obs[0, 6:], 0)
+    rebuilt = E.obs_from_index(params, state.t, E.portfolio(params, state))
+    np.testing.assert_array_equal(np.asarray(rebuilt), obs)
+
+
+def test_reset_windows_stay_inside_bounds_over_whole_episodes():
+    rng = np.random.default_rng(0)
+    t_len = 300
+    c = 1000 + np.round(np.cumsum(rng.normal(0, 1, t_len)) * 4) / 4
+    o = np.r_[c[0], c[:-1]]
+    cfg = EnvConfig(n_envs=512, episode_length=20)
+    params = E.make_params(rng.normal(size=(t_len, 3)), o, np.maximum(o, c) + 0.25,
+                           np.minimum(o, c) - 0.25, c, cfg, state_width=16)
+    params = E.with_window(params, 100, 150, min_len=cfg.episode_length + 1)
+
+    @jax.jit
+    def episode(key):
+        state = E.reset(params, key)
+
+        def body(s, k):
+            a = jax.random.randint(k, (cfg.n_envs, 4), 0, jnp.array(E.BRANCH_SIZES))
+            s2, _, d, info = E.step(params, s, a, E.PolicyAux.zeros(cfg.n_envs))
+            return s2, (s.t, info["bar"], d)
+
+        return jax.lax.scan(body, state, jax.random.split(key, cfg.episode_length))
+
+    state, (t, bar, done) = episode(jax.random.key(0))
+    assert int(t.min()) >= 100 and int(bar.max()) <= 149
+    assert bool(done[-1].all()) and not bool(done[:-1].any())
+    assert float(jnp.abs(state.position).max()) == 0.0  # liquidated
+    assert len(np.unique(np.asarray(t[0]))) > 10  # starts differ across episodes
+
+
+def test_auto_reset_replaces_only_done_episodes_and_keeps_kelly_stats():
+    params = make(n_envs=2)
+    state = E.reset_at(params, jnp.array([3, 3]), jnp.array([5, 5])).replace(
+        n_trades=jnp.array([7, 7]), position=jnp.array([1.0, 1.0]))
+    new = E.auto_reset(params, state, jnp.array([True, False]), jax.random.key(1))
+    assert float(new.position[0]) == 0 and int(new.n_trades[0]) == 7
+    assert float(new.position[1]) == 1 and int(new.t[1]) == 3
+    assert int(new.last[0]) == int(new.t[0]) + 3
+
+
+def test_step_is_vmappable_and_jittable():
+    params = make(n_envs=1)
+    state = E.reset_at(params, jnp.array([0]), jnp.array([8]))
+    states = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    actions = jnp.stack([act(E.LONG), act(E.SHORT)])
+    aux = jax.tree.map(lambda x: jnp.stack([x, x]), E.PolicyAux.zeros(1))
+    out = jax.jit(jax.vmap(E.step, in_axes=(None, 0, 0, 0)))(params, states, actions, aux)
+    assert np.asarray(out[0].position).ravel().tolist() == [1.0, -1.0]
+
+
+# ------------------------------------------------------------------ reward normalisation
+
+
+def test_robust_normaliser_first_batch_and_floor():
+    ns = E.init_norm_state(EnvConfig())
+    r = jnp.array([0.0, 1.0, 2.0, 3.0, 4.0]) * 1e-3
+    ns, rn = E.normalise_reward(ns, r)
+    np.testing.assert_allclose(np.asarray(rn), [-1.0, -0.5, 0.0, 0.5, 1.0], atol=1e-5)
+    ns2, rn2 = E.normalise_reward(E.init_norm_state(EnvConfig()), jnp.zeros(8))
+    assert np.isfinite(np.asarray(rn2)).all() and float(ns2.count) == 1
+    # Statistics carry: a second batch moves them only by the running-average weight.
+    ns, _ = E.normalise_reward(ns, r + 1.0)
+    assert float(ns.count) == 2 and float(ns.center) == pytest.approx((2e-3 + 1.002) / 2)
+
+
+def test_popart_and_none_modes():
+    ns = E.init_norm_state(EnvConfig(reward_norm="popart"))
+    _, rn = E.normalise_reward(ns, jnp.array([1.0, 3.0]))
+    np.testing.assert_allclose(np.asarray(rn), [-1.0, 1.0], atol=1e-6)
+    ns = E.init_norm_state(EnvConfig(reward_norm="none"))
+    _, rn = E.normalise_reward(ns, jnp.array([1.0, 3.0]))
+    np.testing.assert_array_equal(np.asarray(rn), [1.0, 3.0])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_nan_or_bad_prices_are_rejected_before_jit():
+    c = np.array(C, float)
+    c[4] = np.nan
+    with pytest.raises(E.EnvInputError, match="close .*bar 4"):
+        E.make_params(np.zeros((10, 2)), O, H, L, c, EnvConfig())
+    with pytest.raises(E.EnvInputError, match="not positive"):
+        E.make_params(np.zeros((10, 2)), np.array(O) * 0, H, L, C, EnvConfig())
+    with pytest.raises(E.EnvInputError, match="inconsistent bar"):
+        E.make_params(np.zeros((10, 2)), O, L, H, C, EnvConfig())
+    f = np.zeros((10, 2))
+    f[3, 1] = np.nan
+    with pytest.raises(E.EnvInputError, match="features .*bar 3"):
+        E.make_params(f, O, H, L, C, EnvConfig())
+
+
+def test_validate_actions_names_the_problem():
+    with pytest.raises(E.EnvInputError, match="direction action 4 out of range"):
+        E.validate_actions(np.array([[4, 0, 0, 0]]))
+    with pytest.raises(E.EnvInputError, match="urgency action -1"):
+        E.validate_actions(np.array([[0, 0, 0, -1]]))
+    with pytest.raises(E.EnvInputError, match="NaN"):
+        E.validate_actions(np.array([[0.0, np.nan, 0.0, 0.0]]))
+    with pytest.raises(E.EnvInputError, match="shape"):
+        E.validate_actions(np.array([[0, 0, 0]]))
+    with pytest.raises(E.EnvInputError, match="aux.q_var"):
+        E.validate_actions(np.array([[0, 0, 0, 0]]), E.PolicyAux(np.array([0.0]),
+                                                                 np.array([np.nan])))
+    E.validate_actions(np.array([[3, 2, 2, 2]]), E.PolicyAux(np.zeros(1), np.zeros(1)))

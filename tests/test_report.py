@@ -1,0 +1,72 @@
+"""Report folder: files, keys, columns; returns.csv reproduces report.json's metrics."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+import pytest
+
+from jdqn import env as E
+from jdqn.config import EnvConfig, EvalConfig
+from jdqn.evaluate import metrics as M
+from jdqn.evaluate import rollout, run_baselines, write_report
+from jdqn.evaluate.baselines import momentum_policy
+
+REQUIRED = ("sharpe", "sortino", "calmar", "max_drawdown", "total_return",
+            "annualization_periods", "n_bars", "n_trades")
+
+
+@pytest.fixture(scope="module")
+def backtests():
+    rng = np.random.default_rng(0)
+    t_len = 300
+    c = 4000 + np.round(np.cumsum(rng.normal(0, 2, t_len)) * 4) / 4
+    o = np.r_[c[0], c[:-1]]
+    params = E.make_params(rng.normal(size=(t_len, 5)), o, np.maximum(o, c) + 0.25,
+                           np.minimum(o, c) - 0.25, c, EnvConfig(), state_width=16)
+    eval_cfg = EvalConfig(momentum_lookback=5)
+    strategy = rollout(params, momentum_policy, jnp.int32(10), lo=50, hi=300)
+    baselines = run_baselines(params, eval_cfg, lo=50, hi=300)
+    ts = (np.datetime64("2024-01-02T00:00") + strategy.bar * np.timedelta64(1, "m"))
+    return ts.astype("datetime64[ns]").astype(np.int64), strategy, baselines
+
+
+def test_report_files_keys_and_columns(tmp_path, backtests):
+    ts, strategy, baselines = backtests
+    ppy = M.periods_per_year(60, EvalConfig())
+    folds = [{"fold": 0, "sharpe": 1.2, "total_return": 0.01, "max_drawdown": -0.02}]
+    report = write_report(tmp_path, ts, strategy, baselines, folds, ppy, {"seed": 0})
+    for f in ("report.json", "returns.csv", "summary.md", "plots/equity.png",
+              "plots/drawdown.png", "plots/position.png", "plots/actions.png"):
+        assert (tmp_path / f).is_file() and (tmp_path / f).stat().st_size > 0, f
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == report
+    assert all(k in on_disk["test"] for k in REQUIRED)
+    assert set(on_disk["baselines"]) == {"flat", "buy_and_hold", "momentum", "random"}
+    for m in on_disk["baselines"].values():
+        assert all(k in m for k in REQUIRED)
+    assert on_disk["folds"] == folds
+    assert on_disk["test"]["n_bars"] == strategy.n_bars == 249
+    df = pd.read_csv(tmp_path / "returns.csv")
+    for col in ("timestamp", "strategy_return", "position", "flat_return",
+                "buy_and_hold_return", "momentum_return", "random_return"):
+        assert col in df.columns, col
+    assert len(df) == strategy.n_bars
+    assert pd.to_datetime(df["timestamp"]).is_monotonic_increasing
+    assert "| strategy |" in (tmp_path / "summary.md").read_text()
+
+
+def test_returns_csv_reproduces_the_reported_sharpe(tmp_path, backtests):
+    ts, strategy, baselines = backtests
+    report = write_report(tmp_path, ts, strategy, baselines, [], 98_280.0)
+    df = pd.read_csv(tmp_path / "returns.csv")
+    ppy = report["test"]["annualization_periods"]
+    for col, m in [("strategy_return", report["test"]),
+                   ("momentum_return", report["baselines"]["momentum"])]:
+        r = df[col].to_numpy()
+        assert np.sqrt(ppy) * r.mean() / r.std(ddof=1) == pytest.approx(m["sharpe"], rel=1e-12)
+        assert np.prod(1 + r) - 1 == pytest.approx(m["total_return"], rel=1e-12)
+    assert report["baselines"]["flat"]["sharpe"] is None  # NaN → null in JSON

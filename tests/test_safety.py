@@ -1,0 +1,87 @@
+"""Safety: finite checks on named tensors and the Q-drift halt."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdqn.errors import TrainingHalted
+from jdqn.train.safety import (
+    NaNMonitor,
+    check_finite,
+    check_q_drift,
+    finite_flags,
+    monitor_init,
+    q_drift_exceeded,
+    raise_if_halted,
+)
+
+NAMES = ("rewards", "logits", "loss", "grads", "params")
+
+
+def _tensors(step: jax.Array, poison: dict[str, int]) -> dict:
+    """Finite tensors, except that tensor ``name`` gets a NaN from step ``poison[name]`` on."""
+    base = {"rewards": jnp.ones(8), "logits": jnp.ones((8, 4, 51)), "loss": jnp.float32(1.0),
+            "grads": {"w": jnp.ones((4, 4)), "b": jnp.ones(4), "count": jnp.int32(3)},
+            "params": {"w": jnp.ones((4, 4)), "key": jax.random.key(0)}}
+    out = {}
+    for name in NAMES:
+        bad = step >= poison.get(name, 1 << 30)
+        out[name] = jax.tree.map(
+            lambda x, bad=bad: jnp.where(bad, jnp.nan, x)
+            if jnp.issubdtype(x.dtype, jnp.floating) else x, base[name])
+    return out
+
+
+def _run(poison: dict[str, int], steps: int = 50, fold: int = 1) -> NaNMonitor:
+    def body(mon, step):
+        return check_finite(mon, _tensors(step, poison), step, fold), None
+
+    return jax.jit(lambda m: jax.lax.scan(body, m, jnp.arange(steps, dtype=jnp.int32))[0])(
+        monitor_init())
+
+
+def test_finite_flags_in_name_order():
+    flags = finite_flags(_tensors(jnp.int32(5), {"loss": 0, "params": 3}))
+    np.testing.assert_array_equal(np.asarray(flags), [True, True, False, True, False])
+
+
+def test_a_nan_in_one_tensor_is_reported_by_name_and_step():
+    mon = _run({"grads": 37})
+    with pytest.raises(TrainingHalted, match=r"non-finite values in 'grads' at step 37 of fold 1$"):
+        raise_if_halted(mon, NAMES)
+    raise_if_halted(_run({}), NAMES)  # nothing planted: no halt
+
+
+def test_first_occurrence_wins():
+    # params go bad later; grads and loss go bad at the same step 20: loss is listed first.
+    mon = _run({"params": 30, "grads": 20, "loss": 20})
+    with pytest.raises(TrainingHalted, match="'loss' at step 20"):
+        raise_if_halted(mon, NAMES)
+    mon = _run({"rewards": 45, "logits": 12})
+    with pytest.raises(TrainingHalted, match="'logits' at step 12"):
+        raise_if_halted(mon, NAMES)
+
+
+def test_monitor_batched_over_seeds():
+    mons = jax.vmap(lambda s: check_finite(monitor_init(), _tensors(s, {"rewards": 2}), s, 0))(
+        jnp.arange(4, dtype=jnp.int32))
+    with pytest.raises(TrainingHalted, match=r"'rewards' at step 2 of fold 0 \(seed index 2\)"):
+        raise_if_halted(mons, NAMES)
+
+
+def test_q_drift_triggers_above_the_floor_only():
+    assert bool(q_drift_exceeded(12.0, 30.0, factor=2.0, floor=10.0))
+    assert not bool(q_drift_exceeded(12.0, 20.0, factor=2.0, floor=10.0))  # exactly 2×: no
+    assert not bool(q_drift_exceeded(0.1, 5.0, factor=2.0, floor=10.0))  # 50×, below the floor
+    assert bool(q_drift_exceeded(1.0, float("nan")))
+    with pytest.raises(TrainingHalted) as e:
+        check_q_drift(12.0, 30.0, epoch=7, factor=2.0, floor=10.0, fold=2)
+    msg = str(e.value)
+    assert "epoch 7 of fold 2" in msg and "12" in msg and "30" in msg and "floor 10" in msg
+    check_q_drift(0.1, 5.0, epoch=3, floor=10.0)  # no halt below the floor
+    check_q_drift(None, 1e6, epoch=0)  # first epoch: no previous value
+    with pytest.raises(TrainingHalted, match="not finite"):
+        check_q_drift(None, float("inf"), epoch=0)
