@@ -107,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    code = main()
+    if code == EXIT_USER_ERROR:
+        # Everything of ours is closed by now (checkpointer, logs). A failed orbax restore can
+        # leave tensorstore callbacks aimed at a closed event loop that would print tracebacks
+        # during interpreter teardown, burying the one-line error: skip that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

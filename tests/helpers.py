@@ -1,0 +1,31 @@
+"""Small configs for training tests (seconds, not minutes, on 2 CPU cores)."""
+
+from __future__ import annotations
+
+from jdqn.config import Config, apply_overrides, config_from_dict
+
+TINY = {
+    "data": {"source": "synthetic", "cache_dir": "", "synthetic": {"n_bars": 3000, "seed": 0}},
+    "features": {"state_width": 32},
+    "env": {"n_envs": 16, "episode_length": 64},
+    "model": {"width": 32, "n_grn_blocks": 1, "n_experts": 2, "expert_hidden": 16,
+              "gate_hidden": 16, "head_hidden": 32, "n_atoms": 21, "v_min": -5.0, "v_max": 5.0,
+              "iqn": True, "iqn_embed": 8, "iqn_n": 4, "iqn_n_prime": 4},
+    "train": {"seeds": [0], "n_folds": 2, "epochs_per_fold": 2, "patience": 5,
+              "collect_steps": 4, "updates_per_iter": 2, "iters_per_epoch": 8,
+              "batch_size": 32, "replay_capacity": 2048, "min_replay": 128,
+              "lr_warmup_steps": 4, "warmup_blend_steps": 10, "eps_decay_steps": 100,
+              "purge_bars": 5},
+    "checkpoint": {"keep_best": 1, "keep_latest": 2},
+    "logging": {"progress": False, "tensorboard": True},
+}
+
+
+def tiny_config(*overrides: str) -> Config:
+    return config_from_dict(apply_overrides(TINY, list(overrides)))
+
+
+def tiny_toml(*overrides: str) -> str:
+    from jdqn.config import dumps_toml
+
+    return dumps_toml(tiny_config(*overrides))

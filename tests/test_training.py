@@ -1,0 +1,326 @@
+"""The training system: reset policy coverage, compile count, determinism, safety halts, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_config, tiny_toml
+
+from jdqn.errors import CheckpointError, TrainingHalted
+from jdqn.train import job as job_lib
+from jdqn.train.epoch import make_epoch_fn
+from jdqn.train.optim import set_learning_rate
+from jdqn.train.policy import fold_reset_policy
+from jdqn.train.reset import ResetPolicyError, check_policy_covers
+from jdqn.train.state import TrainState, seed_keys
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _setup(cfg):
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    return p, env_params, state
+
+
+def _leaves_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+                       np.asarray(jax.random.key_data(y) if jnp.issubdtype(y.dtype, jax.dtypes.prng_key) else y))
+        for x, y in zip(la, lb, strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# fold reset policy
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_state_leaf_has_a_fold_reset_rule():
+    cfg = tiny_config()
+    _, _, state = _setup(cfg)
+    check_policy_covers(fold_reset_policy(cfg.train), state)
+
+
+def test_a_state_leaf_without_a_rule_fails_the_check():
+    cfg = tiny_config()
+    _, _, state = _setup(cfg)
+    policy = fold_reset_policy(cfg.train)
+    del policy["norm"]
+    with pytest.raises(ResetPolicyError, match="norm"):
+        check_policy_covers(policy, state)
+    # A new leaf in the state (simulated with a dict view of it) without a rule is named too.
+    as_dict = {f: getattr(state, f) for f in TrainState.__dataclass_fields__}
+    as_dict["readiness_gauge"] = jnp.zeros(())
+    with pytest.raises(ResetPolicyError, match="readiness_gauge"):
+        check_policy_covers(fold_reset_policy(cfg.train), as_dict)
+
+
+def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
+    cfg = tiny_config()
+    p, env_params, state = _setup(cfg)
+    state, _ = make_epoch_fn(p.learner)(state, env_params, jnp.asarray(0))
+    state = jax.block_until_ready(state)
+    norm_before = np.asarray(state.norm.scale)
+    replay_size = int(state.replay.size[0])
+    new = job_lib._fold_state(p, state, job_lib.fold_env_params(cfg, p, 1), 1,
+                              seed_keys(cfg.train.seeds))
+    assert _leaves_equal(new.target_params, new.params)  # hard sync (main and IQN heads)
+    assert _leaves_equal(new.best_params, new.params)
+    assert np.array_equal(np.asarray(new.norm.scale), norm_before)  # carried, not zeroed
+    assert np.asarray(new.norm.scale)[0] > 0
+    assert int(new.replay.size[0]) == replay_size
+    assert int(new.update_step[0]) == 0
+    moments = jax.tree.leaves(new.opt_state.inner_state)
+    assert all(not np.any(np.asarray(x)) for x in moments), "optimiser moments must be zeroed"
+    assert float(new.opt_state.hyperparams["base_lr"][0]) == pytest.approx(cfg.train.lr)
+    assert not bool(new.monitor.halted[0])
+
+
+# --------------------------------------------------------------------------------------------
+# compile count, determinism
+# --------------------------------------------------------------------------------------------
+
+
+def test_one_compilation_across_epochs_folds_and_lr_changes():
+    cfg = tiny_config("train.iters_per_epoch=4")
+    p, env_params, state = _setup(cfg)
+    fn = make_epoch_fn(p.learner)
+    before = fn._cache_size()
+    state, _ = fn(state, env_params, jnp.asarray(0))
+    state, _ = fn(state, env_params, jnp.asarray(0))
+    state = state.replace(opt_state=jax.vmap(lambda o: set_learning_rate(o, 1e-5))(
+        state.opt_state))
+    state, _ = fn(state, env_params, jnp.asarray(0))
+    env1 = job_lib.fold_env_params(cfg, p, 1)  # new fold: new window and normalised features
+    state = job_lib._fold_state(p, state, env1, 1, seed_keys(cfg.train.seeds))
+    state, _ = fn(state, env1, jnp.asarray(1))
+    jax.block_until_ready(state)
+    assert fn._cache_size() - before == 1
+    assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
+
+
+def test_seeds_get_independent_streams_in_one_program():
+    cfg = tiny_config("train.seeds=[3, 4]", "train.iters_per_epoch=4")
+    p, env_params, state = _setup(cfg)
+    state, m = make_epoch_fn(p.learner)(state, env_params, jnp.asarray(0))
+    leaves = jax.tree.leaves(state.params)
+    assert all(not np.array_equal(np.asarray(x[0]), np.asarray(x[1])) for x in leaves
+               if np.asarray(x[0]).size > 1 and np.any(np.asarray(x[0])))
+    assert not np.array_equal(np.asarray(state.env.t[0]), np.asarray(state.env.t[1]))
+
+
+def test_same_seed_is_bitwise_identical_and_different_seeds_differ(tmp_path):
+    a = job_lib.run_job(tiny_config(), tmp_path / "a", quiet=True)
+    b = job_lib.run_job(tiny_config(), tmp_path / "b", quiet=True)
+    c = job_lib.run_job(tiny_config("train.seeds=[1]"), tmp_path / "c", quiet=True)
+    ra = (tmp_path / "a" / "returns.csv").read_bytes()
+    assert ra == (tmp_path / "b" / "returns.csv").read_bytes()
+    assert a["test"] == b["test"] and a["folds"] == b["folds"]
+    assert ra != (tmp_path / "c" / "returns.csv").read_bytes() or a["folds"] != c["folds"]
+
+
+# --------------------------------------------------------------------------------------------
+# safety: fault injection
+# --------------------------------------------------------------------------------------------
+
+
+def _run_epoch_with(cfg, mutate_state=None, mutate_env=None):
+    p, env_params, state = _setup(cfg)
+    if mutate_state is not None:
+        state = mutate_state(state)
+    if mutate_env is not None:
+        env_params = mutate_env(env_params)
+    state, _ = make_epoch_fn(p.learner)(state, env_params, jnp.asarray(0))
+    from jdqn.train import safety
+    from jdqn.train.state import CHECKED_TENSORS
+
+    safety.raise_if_halted(jax.device_get(state.monitor), CHECKED_TENSORS)
+
+
+def test_nan_planted_in_a_param_halts_naming_params():
+    def poison(state):
+        leaves, tree = jax.tree.flatten(state.params)
+        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
+        return state.replace(params=jax.tree.unflatten(tree, leaves))
+
+    with pytest.raises(TrainingHalted, match=r"non-finite values in 'params' at step 0 of fold 0"):
+        _run_epoch_with(tiny_config("train.iters_per_epoch=2"), mutate_state=poison)
+
+
+def test_nan_in_a_reward_halts_naming_rewards():
+    # A NaN close inside the train window (planted past the host-side input validation) makes
+    # the reward of the episode that marks to it NaN.
+    def poison(env_params):
+        lo = int(env_params.lo)
+        bars = env_params.bars.at[lo + 1 : int(env_params.hi), 3].set(jnp.nan)
+        return env_params.replace(bars=bars)
+
+    with pytest.raises(TrainingHalted, match=r"non-finite values in 'rewards'"):
+        _run_epoch_with(tiny_config("train.iters_per_epoch=2"), mutate_env=poison)
+
+
+def test_finite_checks_can_be_switched_off():
+    def poison(state):
+        leaves, tree = jax.tree.flatten(state.params)
+        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
+        return state.replace(params=jax.tree.unflatten(tree, leaves))
+
+    _run_epoch_with(tiny_config("train.iters_per_epoch=2", "train.finite_checks=false"),
+                    mutate_state=poison)
+
+
+def test_q_drift_halts_and_rejects_the_model(tmp_path, monkeypatch):
+    """After the first epoch the value stream's bias is pushed up: |mean Q| jumps far above 2×
+    the previous epoch and above the floor, so the job halts and names the epoch."""
+    real = job_lib.make_epoch_fn
+
+    def drifting(learner):
+        fn = real(learner)
+        calls = {"n": 0}
+
+        def run(state, env_params, fold):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                def bump(path, x):
+                    name = jax.tree_util.keystr(path)
+                    return x + 4.0 if "value" in name and name.endswith("['bias']") else x
+
+                state = state.replace(params=jax.tree_util.tree_map_with_path(bump,
+                                                                               state.params))
+            return fn(state, env_params, fold)
+
+        run._cache_size = fn._cache_size
+        return run
+
+    monkeypatch.setattr(job_lib, "make_epoch_fn", drifting)
+    cfg = tiny_config("train.q_drift_floor=0.5", "model.iqn=false")
+    with pytest.raises(TrainingHalted, match=r"Q drift at epoch 1 of fold 0.*rejected"):
+        job_lib.run_job(cfg, tmp_path / "run", quiet=True)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints and exact resume through the CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _cli(args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "jdqn.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, **kw)
+
+
+def _write_cfg(tmp_path, *overrides, name: str = "tiny.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(tiny_toml(*overrides))
+    return path
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_a_bitwise_identical_result(tmp_path):
+    cfg = _write_cfg(tmp_path, "train.epochs_per_fold=3", "train.iters_per_epoch=12")
+    ref = _cli(["--config", str(cfg), "--output-dir", str(tmp_path / "ref")])
+    assert ref.returncode == 0, ref.stderr
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "jdqn.main", "--config", str(cfg),
+                             "--output-dir", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Kill it mid-fold 0 once a checkpoint of epoch 2 (global step 2) is committed.
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoints" / "2" / "commit_success.txt").exists():
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "report.json").exists()
+
+    res = _cli(["--config", str(cfg), "--output-dir", str(out), "--resume"])
+    assert res.returncode == 0, res.stderr
+    for name in ("returns.csv",):
+        assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    a = json.loads((out / "report.json").read_text())
+    b = json.loads((tmp_path / "ref" / "report.json").read_text())
+    for r in (a, b):
+        r["extra"].pop("wall_seconds")
+    assert a == b
+
+    # Final params bitwise equal: restore the last checkpoint of both runs.
+    from jdqn.config import load_config
+    from jdqn.train import checkpoint as ckpt_lib
+
+    c = load_config(cfg)
+    p = job_lib.prepare(c)
+    env_params = job_lib.fold_env_params(c, p, 0)
+    abstract = jax.eval_shape(jax.vmap(lambda k: job_lib.init_state(p.learner, k, env_params)),
+                              seed_keys(c.train.seeds))
+    states = []
+    for run in (out, tmp_path / "ref"):
+        ck = ckpt_lib.Checkpointer(run / "checkpoints", fingerprint=job_lib.feature_schema(p))
+        states.append(ck.restore(None, abstract)[0])
+        ck.close()
+    assert _leaves_equal(states[0].params, states[1].params)
+
+
+def test_resume_refuses_corrupt_and_foreign_checkpoints(tmp_path):
+    cfg = _write_cfg(tmp_path, "train.epochs_per_fold=1", "train.n_folds=2")
+    out = tmp_path / "run"
+    assert _cli(["--config", str(cfg), "--output-dir", str(out)]).returncode == 0
+
+    # Foreign: a checkpoint from a run whose model differs (config edited to match the run's
+    # config.toml check, so the layout fingerprint is what refuses it).
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.toml").write_text((out / "config.toml").read_text())
+    import shutil
+
+    shutil.copytree(out / "checkpoints", foreign / "checkpoints")
+    cfg2 = _write_cfg(tmp_path, "train.epochs_per_fold=1", "train.n_folds=2", "model.width=48",
+                      name="wide.toml")
+    (foreign / "config.toml").write_text(tiny_toml("train.epochs_per_fold=1", "train.n_folds=2",
+                                                   "model.width=48"))
+    res = _cli(["--config", str(cfg2), "--output-dir", str(foreign), "--resume"])
+    assert res.returncode == 2
+    assert "does not match this run's state layout" in res.stderr
+    assert "Traceback" not in res.stderr
+
+    # Corrupt: garbage over the array data of the latest checkpoint.
+    latest = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    for f in (out / "checkpoints" / str(latest) / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"\x00garbage" * 8)
+    res = _cli(["--config", str(cfg), "--output-dir", str(out), "--resume"])
+    assert res.returncode == 2, res.stderr
+    assert "unreadable" in res.stderr and str(latest) in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_resume_refuses_a_changed_config(tmp_path):
+    cfg = _write_cfg(tmp_path, "train.epochs_per_fold=1")
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "config.toml").write_text(tiny_toml("train.epochs_per_fold=1", "train.lr=0.1"))
+    res = _cli(["--config", str(cfg), "--output-dir", str(out), "--resume"])
+    assert res.returncode == 2 and "config differs" in res.stderr
+
+
+def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
+    cfg = tiny_config()
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        job_lib.run_job(cfg, out, resume=True, quiet=True)
