@@ -84,6 +84,23 @@ def features_summary(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled XLA programs on disk so a second run skips compilation.
+
+    ``$JAX_COMPILATION_CACHE_DIR`` wins; else ``$XDG_CACHE_HOME/jdqn/xla`` (``~/.cache``);
+    ``JDQN_XLA_CACHE=0`` turns it off. Cached programs are the same programs: results do not
+    change.
+    """
+    if os.environ.get("JDQN_XLA_CACHE", "1") == "0":
+        return
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jdqn" / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -93,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = resolve_output_dir(args.config, args.output_dir, args.resume)
         write_resolved_config(cfg, out, args.resume)
+        enable_compilation_cache()
         from jdqn.train.job import run_job
 
         run_job(cfg, out, resume=args.resume)

@@ -1,0 +1,118 @@
+"""The command line: one-line errors with exit code 2 for bad input, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "jdqn.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def assert_user_error(res: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("jdqn: error: ")
+    assert "Traceback" not in res.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def ticks_config(tmp_path: Path, csv_text: str, name: str = "ticks.csv") -> Path:
+    data = tmp_path / name
+    data.write_text(csv_text)
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f"""
+[data]
+source = "ticks"
+path = "{data}"
+cache_dir = ""
+[data.columns]
+timestamp = "ts"
+price = "price"
+size = "size"
+""")
+    return cfg
+
+
+GOOD_TICKS = "ts,price,size\n" + "\n".join(
+    f"2024-01-02 {h:02d}:{m:02d}:{s:02d},{4000 + (h * 3 + m * 7 + s) % 5 * 0.25},{1 + s % 3}"
+    for h in range(10, 15) for m in range(60) for s in (5, 25, 45)) + "\n"
+
+
+def test_unknown_config_key_suggests_the_nearest(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nbatch_sise = 64\n")
+    assert_user_error(run_cli("--config", str(cfg)), "unknown config key 'train.batch_sise'",
+                      "did you mean 'train.batch_size'")
+
+
+def test_value_out_of_range_names_field_and_range(tmp_path):
+    res = run_cli("--config", "configs/quickstart.toml", "--set", "train.gamma=2",
+                  "--output-dir", str(tmp_path / "o"))
+    assert_user_error(res, "train.gamma = 2", "allowed: [0, 1]")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_set_syntax(tmp_path):
+    assert_user_error(run_cli("--config", "configs/quickstart.toml", "--set", "train.lr"),
+                      "expected KEY=VALUE")
+
+
+def test_missing_config_and_data_files(tmp_path):
+    assert_user_error(run_cli("--config", str(tmp_path / "none.toml")), "config file not found")
+    cfg = ticks_config(tmp_path, GOOD_TICKS)
+    cfg.write_text(cfg.read_text().replace(str(tmp_path / "ticks.csv"), str(tmp_path / "gone.csv")))
+    assert_user_error(run_cli("--config", str(cfg), "--output-dir", str(tmp_path / "o")),
+                      "gone.csv")
+
+
+@pytest.mark.parametrize("text,fragments", [
+    ("ts,price\n2024-01-02 14:00:00,4000\n", ("size",)),  # missing column
+    ("ts,price,size\n2024-01-02 14:00:00,4000,1\n2024-01-02 14:00:01,nan,1\n", ("price",)),
+    ("ts,price,size\n2024-01-02 14:00:00,4000,1\n2024-01-02 14:00:01,-3,1\n", ("price",)),
+    ("ts,price,size\n2024-01-02 14:00:00,4000,1\nyesterday,4000,1\n", ("timestamp",)),
+    ("", ("empty",)),
+])
+def test_bad_data_is_one_line_naming_file_and_problem(tmp_path, text, fragments):
+    cfg = ticks_config(tmp_path, text)
+    res = run_cli("--config", str(cfg), "--output-dir", str(tmp_path / "o"))
+    assert_user_error(res, "ticks.csv", *fragments)
+
+
+def test_duplicate_ohlcv_timestamps(tmp_path):
+    data = tmp_path / "bars.csv"
+    data.write_text("timestamp,open,high,low,close,volume\n"
+                    "2024-01-02 14:00:00,1,2,0.5,1.5,10\n2024-01-02 14:00:00,1,2,0.5,1.5,10\n")
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[data]\nsource = "ohlcv"\npath = "{data}"\ncache_dir = ""\n')
+    assert_user_error(run_cli("--config", str(cfg), "--features-only"), "bars.csv", "duplicate")
+
+
+def test_features_only_prints_a_summary(tmp_path):
+    cfg = ticks_config(tmp_path, GOOD_TICKS)
+    res = run_cli("--config", str(cfg), "--features-only")
+    assert res.returncode == 0, res.stderr
+    assert "bars: 300 from ticks" in res.stdout
+    assert "flow_imb" in res.stdout
+
+
+def test_existing_output_dir_is_never_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir", str(out))
+    assert_user_error(res, "already holds files", "--resume")
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert_user_error(run_cli("--config", "configs/quickstart.toml", "--resume"),
+                      "--resume needs --output-dir")
