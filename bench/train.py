@@ -1,0 +1,179 @@
+"""Training throughput: gradient updates/s and samples/s, env steps/s while collecting, s/epoch.
+
+Prints one JSON object. Everything timed is the same jitted code the trainer runs
+(``jdqn.train.epoch``): the update loop is ``lax.scan`` over ``train_step`` (PER sample → rebuild
+observations → loss → clip+AdamW → Polyak → priorities → finite checks) on a pre-filled replay;
+collection is ``collect`` (network forward + per-branch exploration + env step + reward
+normalisation) on N envs; the epoch is ``make_epoch_fn`` with the config's sizes.
+
+    python bench/train.py                       # default model (configs/gpu.toml sizes), GPU
+    python bench/train.py --quick               # small sizes, CPU smoke run
+    python bench/train.py --dtype bfloat16      # bf16 matmuls (float32 loss math)
+
+Timings exclude compilation (one warm-up call) and end with ``block_until_ready``; each figure
+is the best of ``--repeats`` runs. Matmul precision is JAX's default unless ``--precision`` is
+given (on Hopper the default float32 matmul uses TF32-class tensor-core math).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jdqn.config import apply_overrides, config_from_dict, load_config  # noqa: E402
+from jdqn.train import epoch as epoch_lib  # noqa: E402
+from jdqn.train import job as job_lib  # noqa: E402
+from jdqn.train.state import seed_keys  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def build(cfg):
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    return p, env_params, state
+
+
+def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
+    cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
+    p, env_params, state = build(cfg)
+    learner = p.learner
+    fold = jnp.asarray(0, jnp.int32)
+
+    # Fill the replay with real collected transitions (enough for any batch).
+    @jax.jit
+    def fill(st):
+        def body(s, _):
+            s, chunk, _ = epoch_lib.collect(learner, s, env_params)
+            s, items, valid = epoch_lib.to_transitions(learner, s, chunk)
+            return epoch_lib.insert(s, items, valid), None
+
+        return jax.lax.scan(body, st, None, length=4)[0]
+
+    one = jax.tree.map(lambda x: x[0], state)
+    one = fill(one)
+
+    @jax.jit
+    def updates(st):
+        def body(s, _):
+            s, m = epoch_lib.train_step(learner, s, env_params, fold)
+            return s, m["loss_total"]
+
+        return jax.lax.scan(body, st, None, length=n_updates)
+
+    jax.block_until_ready(updates(one))  # compile + warm-up
+    sec = _time(lambda: updates(one), repeats)
+    per = sec / n_updates
+    return {"batch": batch, "ms_per_update": 1e3 * per, "updates_per_s": 1.0 / per,
+            "samples_per_s": batch / per, "replay_size": int(one.replay.size)}
+
+
+def bench_collect(cfg, repeats: int) -> dict:
+    p, env_params, state = build(cfg)
+    learner = p.learner
+    one = jax.tree.map(lambda x: x[0], state)
+
+    @jax.jit
+    def collect(st):
+        def body(s, _):
+            s, _, stats = epoch_lib.collect(learner, s, env_params)
+            return s, stats["reward_raw"]
+
+        return jax.lax.scan(body, st, None, length=8)
+
+    jax.block_until_ready(collect(one))
+    sec = _time(lambda: collect(one), repeats)
+    steps = 8 * cfg.train.collect_steps * cfg.env.n_envs
+    return {"n_envs": cfg.env.n_envs, "env_steps_per_s": steps / sec,
+            "note": "network forward + exploration + env step + reward normalisation"}
+
+
+def bench_epoch(cfg, repeats: int) -> dict:
+    p, env_params, state = build(cfg)
+    fn = epoch_lib.make_epoch_fn(p.learner)
+    fold = jnp.asarray(0, jnp.int32)
+    state, _ = fn(state, env_params, fold)  # compile; fills the replay past min_replay
+    jax.block_until_ready(state)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        state, m = fn(state, env_params, fold)
+        jax.block_until_ready(state)
+        best = min(best, time.perf_counter() - t)
+    c = cfg.train
+    return {"seconds_per_epoch": best, "iters_per_epoch": c.iters_per_epoch,
+            "updates_per_epoch": c.iters_per_epoch * c.updates_per_iter,
+            "env_steps_per_epoch": c.iters_per_epoch * c.collect_steps * cfg.env.n_envs,
+            "compilations": int(fn._cache_size())}
+
+
+def _as_dict(cfg) -> dict:
+    from jdqn.config import to_dict
+
+    return to_dict(cfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(REPO / "configs" / "gpu.toml"))
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--precision", choices=("default", "high", "highest"), default="default")
+    ap.add_argument("--batches", default="")
+    ap.add_argument("--updates", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-epoch", action="store_true")
+    args = ap.parse_args()
+    if args.precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.precision)
+
+    sets = [f"model.matmul_dtype={args.dtype}", "data.cache_dir=''",
+            "data.synthetic.n_bars=200000"]
+    if args.quick:
+        sets += ["env.n_envs=256", "env.episode_length=256", "train.replay_capacity=100000",
+                 "train.min_replay=2000", "train.iters_per_epoch=10",
+                 "train.collect_steps=8", "train.updates_per_iter=2", "train.batch_size=1024"]
+    base = load_config(args.config, sets)
+    batches = ([int(b) for b in args.batches.split(",")] if args.batches
+               else ([256, 1024] if args.quick else [256, 4096, 16384]))
+    n_up = 10 if args.quick else args.updates
+    out = {
+        "bench": "train", "config": Path(args.config).name, "quick": args.quick,
+        "matmul_dtype": args.dtype, "matmul_precision": args.precision,
+        "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
+                                                       "expert_hidden", "n_atoms", "iqn")},
+        "updates": [bench_updates(base, b, n_up, args.repeats) for b in batches],
+        "collect": bench_collect(base, args.repeats),
+    }
+    if not args.skip_epoch:
+        out["epoch"] = bench_epoch(base, max(1, args.repeats - 1))
+    dev = jax.devices()[0]
+    out.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
+               jax=jax.__version__, python=platform.python_version(),
+               cpu_count=os.cpu_count(), date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

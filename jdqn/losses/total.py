@@ -1,0 +1,149 @@
+"""The learner's objective: blended C51 + IQN + MoE load balance, over a batch.
+
+Axes: ``B`` batch, ``W`` state width, ``D`` branches, ``K`` experts, ``N``/``N′`` quantile
+samples.
+
+    loss = mean_b w_b·mean_d td[b, d]                      (warm-up blend of MSE and C51)
+         + iqn_weight · mean_b w_b·mean_d iqn[b, d]        (when ModelConfig.iqn)
+         + λ_eff · K · Σ_k (mean_b g[b, k])²               (MoE load balance, gate at s)
+
+``w_b`` are the prioritised-replay importance weights. The per-sample loss returned for
+priorities is ``Σ_d td[b, d]`` — the blended TD loss **summed over branches**, without importance
+weights, IQN or load balance (SPEC §5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jdqn.config import TrainConfig
+from jdqn.losses.categorical import branching_td_loss
+from jdqn.losses.moe import (
+    MoEState,
+    entropy,
+    entropy_target,
+    gate_utilisation,
+    lambda_eff,
+    load_balance_loss,
+    update_moe_state,
+)
+from jdqn.losses.quantile import branching_iqn_loss
+from jdqn.networks.heads import DIRECTION, make_support, q_gap
+from jdqn.networks.model import BranchingQNetwork, NetOutput
+
+Array = jax.Array
+
+
+class Batch(NamedTuple):
+    """A batch of n-step transitions (the replay's output after rebuilding observations)."""
+
+    obs: Array  # f32 [B, W] state s
+    action: Array  # int32 [B, D] action taken per branch
+    reward: Array  # f32 [B] n-step discounted return
+    discount: Array  # f32 [B] γⁿ·(1 − done)
+    next_obs: Array  # f32 [B, W] state s′ (n steps later)
+    weight: Array  # f32 [B] importance weights (ones without PER)
+
+
+def warmup_alpha(step: Array, warmup_blend_steps: int) -> Array:
+    """α of the MSE → C51 blend: ramps linearly 0 → 1 over ``warmup_blend_steps`` updates."""
+    if warmup_blend_steps <= 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.clip(jnp.asarray(step, jnp.float32) / warmup_blend_steps, 0.0, 1.0)
+
+
+def _rows(out: NetOutput, sl: slice) -> NetOutput:
+    return NetOutput(
+        logits=tuple(x[sl] for x in out.logits), q=tuple(x[sl] for x in out.q),
+        q_var=tuple(x[sl] for x in out.q_var), gate=out.gate[sl], quantiles=out.quantiles,
+        aux={"selection": out.aux["selection"][sl]})  # batch statistics are not sliceable
+
+
+def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_state: MoEState,
+               alpha: Array, *, net: BranchingQNetwork,
+               train_cfg: TrainConfig) -> tuple[Array, tuple[dict, Array, MoEState, dict]]:
+    """Total loss and everything the learner needs from one batch.
+
+    ``target_params`` is the one target tree (trunk, C51 heads **and** the IQN head). ``key``
+    draws the τ samples (online N at s, target N′ at s′); pass a fresh key per update. ``alpha``
+    is the warm-up blend weight (:func:`warmup_alpha`). Differentiate with
+    ``jax.value_and_grad(total_loss, has_aux=True)`` w.r.t. ``params``.
+
+    Returns:
+      ``(loss [], (components, per_sample_loss [B], new_moe_state, diagnostics))`` where
+      ``components`` holds the scalar terms (``td``, ``c51``, ``mse``, ``iqn``, ``moe_balance``,
+      ``total``; IS-weighted batch means) and ``diagnostics`` per-branch Q statistics
+      (``q_mean``/``q_std`` [D]), ``q_gap``, ``target_mean`` [D], ``td_per_branch`` [D],
+      ``gate_util`` [K], ``gate_entropy``, ``util_entropy``, ``lambda_eff``.
+    """
+    cfg = net.cfg
+    chex.assert_rank([batch.obs, batch.action, batch.reward, batch.discount, batch.next_obs,
+                      batch.weight], [2, 2, 1, 1, 2, 1])
+    chex.assert_type(batch.action, int)
+    b = batch.obs.shape[0]
+    k_online, k_target = jax.random.split(key)
+    taus = taus_prime = None
+    if cfg.iqn:
+        taus = jax.random.uniform(k_online, (b, cfg.iqn_n), jnp.float32)
+        taus_prime = jax.random.uniform(k_target, (b, cfg.iqn_n_prime), jnp.float32)
+
+    # Online network at s (with gradient) and at s′ (action selection only).
+    if cfg.fuse_next_obs:
+        both = net.apply(params, jnp.concatenate([batch.obs, batch.next_obs], axis=0), taus)
+        online, online_next = _rows(both, slice(0, b)), _rows(both, slice(b, 2 * b))
+    else:
+        online = net.apply(params, batch.obs, taus)
+        online_next = net.apply(params, batch.next_obs)
+    online_next = jax.lax.stop_gradient(online_next)
+    target = jax.lax.stop_gradient(net.apply(target_params, batch.next_obs, taus_prime))
+
+    support = make_support(cfg.v_min, cfg.v_max, cfg.n_atoms, dtype=online.logits[0].dtype)
+    td = jax.vmap(branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
+        online.logits, batch.action, batch.reward, batch.discount, target.logits,
+        online_next.q, support, jnp.asarray(alpha, support.dtype))  # dict of [B, D]
+    w = batch.weight
+    td_loss = jnp.mean(w * jnp.mean(td["td"], axis=1))
+    components = {
+        "td": td_loss,
+        "c51": jnp.mean(w * jnp.mean(td["ce"], axis=1)),
+        "mse": jnp.mean(w * jnp.mean(td["sq"], axis=1)),
+    }
+
+    iqn_loss = jnp.zeros((), td_loss.dtype)
+    if cfg.iqn:
+        iqn = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))(
+            online.quantiles, taus, batch.action, batch.reward, batch.discount,
+            target.quantiles, online_next.q, cfg.v_min, cfg.v_max)  # [B, D]
+        iqn_loss = jnp.mean(w * jnp.mean(iqn, axis=1))
+    components["iqn"] = iqn_loss
+
+    # MoE load balance on the gate at s (s′ rows carry no gradient).
+    new_moe_state = update_moe_state(moe_state, online.gate, train_cfg.moe_entropy_decay)
+    h_target = entropy_target(cfg.n_experts, train_cfg.moe_entropy_target)
+    lam = lambda_eff(new_moe_state.entropy_ema, train_cfg.moe_lambda_floor,
+                     train_cfg.moe_lambda_extra, h_target)
+    balance = load_balance_loss(online.gate, lam.astype(online.gate.dtype))
+    components["moe_balance"] = balance
+
+    loss = td_loss + train_cfg.iqn_weight * iqn_loss + balance
+    components["total"] = loss
+    per_sample_loss = jax.lax.stop_gradient(jnp.sum(td["td"], axis=1))  # [B], for priorities
+
+    util = jax.lax.stop_gradient(gate_utilisation(online.gate))
+    diagnostics = {
+        "q_mean": jnp.stack([jnp.mean(q) for q in online.q]),
+        "q_std": jnp.stack([jnp.std(q) for q in online.q]),
+        "q_gap": jnp.mean(q_gap(online.q[DIRECTION])),
+        "target_mean": jnp.mean(td["target_mean"], axis=0),
+        "td_per_branch": jnp.mean(td["td"], axis=0),
+        "gate_util": util,
+        "gate_entropy": jnp.mean(entropy(jax.lax.stop_gradient(online.gate))),
+        "util_entropy": entropy(util),
+        "lambda_eff": lam,
+    }
+    diagnostics = jax.tree.map(jax.lax.stop_gradient, diagnostics)
+    return loss, (components, per_sample_loss, new_moe_state, diagnostics)

@@ -1,0 +1,145 @@
+"""Dueling branching categorical (C51) heads, the IQN quantile head, and Q-value helpers.
+
+Axes: ``B`` batch, ``H`` trunk width, ``D`` branches (4), ``A_d`` actions of branch d, ``Z``
+atoms (51), ``Q`` quantile samples, ``F_o`` order-flow features, ``M`` IQN cosine basis size.
+
+Branches, in order: direction (short, hold, long, flat), magnitude (quarter, half, full),
+order type (market, limit at touch, passive limit), urgency.
+
+Conditioning (SPEC §4):
+* the **magnitude** stream reads ``[h, stop_gradient(E[Q_dir]) / q_scale]``, the expected Q of
+  the four direction actions from the same network, scaled by ``max(|v_min|, |v_max|)`` into
+  [-1, 1]. Gradient policy: the conditioning is a stop-gradient, so the magnitude loss cannot move
+  the direction advantage stream or the value stream *through the conditioning*; it still
+  trains the shared trunk through ``h`` like every other branch.
+* the **order-type** and **urgency** streams read ``[h, obs[:, flow_idx]]``, the raw order-flow
+  features of the state (``flow_idx`` may be empty; then they read ``h`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdqn.networks.trunk import dense
+
+Array = jax.Array
+
+DIRECTION, MAGNITUDE, ORDER_TYPE, URGENCY = 0, 1, 2, 3
+BRANCH_NAMES = ("direction", "magnitude", "order_type", "urgency")
+
+
+def make_support(v_min: float, v_max: float, n_atoms: int, dtype: Any = jnp.float32) -> Array:
+    """Atom values ``z = linspace(v_min, v_max, n_atoms)``: [Z]."""
+    return jnp.linspace(v_min, v_max, n_atoms, dtype=dtype)
+
+
+def dueling_logits(value: Array, advantage: Array) -> Array:
+    """``logits[b, a, z] = V[b, z] + A[b, a, z] − mean_a A[b, a, z]`` (Wang et al. 2016, eq. 9,
+    applied per atom as in Rainbow).
+
+    value: [B, Z]; advantage: [B, A_d, Z] → [B, A_d, Z].
+    """
+    return value[:, None, :] + advantage - jnp.mean(advantage, axis=1, keepdims=True)
+
+
+def expected_q(logits: Array, support: Array) -> Array:
+    """``E[Q] = Σ_z softmax(logits)_z · z``. logits: [..., Z]; support: [Z] → [...]."""
+    return jnp.sum(jax.nn.softmax(logits, axis=-1) * support, axis=-1)
+
+
+def q_variance(logits: Array, support: Array) -> Array:
+    """``Var[Q] = Σ_z p_z (z − E[Q])²`` (≥ 0 by construction). [..., Z] → [...]."""
+    p = jax.nn.softmax(logits, axis=-1)
+    mean = jnp.sum(p * support, axis=-1, keepdims=True)
+    return jnp.sum(p * jnp.square(support - mean), axis=-1)
+
+
+def q_gap(q: Array) -> Array:
+    """Best minus second-best Q of a branch: q [B, A] → [B] (≥ 0). Used with the direction
+    branch's Q as the env's conviction / opportunity-cost signal."""
+    top2 = jax.lax.top_k(q, 2)[0]
+    return top2[..., 0] - top2[..., 1]
+
+
+class DuelingBranchingHead(nn.Module):
+    """Dueling, branching, categorical head: ``(h [B, H], obs [B, W])`` → per-branch logits
+    ``tuple of [B, A_d, Z]``. One shared value stream over atoms, one advantage stream per
+    branch; each stream is ``Dense(hidden) → ReLU → Dense(out)``."""
+
+    branch_sizes: tuple[int, ...]
+    n_atoms: int
+    hidden: int
+    v_min: float
+    v_max: float
+    flow_idx: tuple[int, ...] = ()
+    matmul_dtype: str = "float32"
+
+    def _stream(self, x: Array, out: int, name: str) -> Array:
+        hid = nn.relu(dense(x, self.hidden, self.matmul_dtype, f"{name}_fc"))
+        return dense(hid, out, self.matmul_dtype, f"{name}_out")
+
+    @nn.compact
+    def __call__(self, h: Array, obs: Array) -> tuple[Array, ...]:
+        b, z = h.shape[0], self.n_atoms
+        support = make_support(self.v_min, self.v_max, z, dtype=h.dtype)
+        value = self._stream(h, z, "value")  # [B, Z]
+
+        def branch(x: Array, d: int) -> Array:
+            adv = self._stream(x, self.branch_sizes[d] * z, BRANCH_NAMES[d])
+            return dueling_logits(value, adv.reshape(b, self.branch_sizes[d], z))
+
+        direction = branch(h, DIRECTION)
+        q_scale = max(abs(self.v_min), abs(self.v_max))
+        q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
+        magnitude = branch(jnp.concatenate([h, q_dir.astype(h.dtype)], axis=-1), MAGNITUDE)
+        if self.flow_idx:
+            flow = obs[:, np.asarray(self.flow_idx)].astype(h.dtype)  # [B, F_o]
+            h_flow = jnp.concatenate([h, flow], axis=-1)
+        else:
+            h_flow = h
+        order_type = branch(h_flow, ORDER_TYPE)
+        urgency = branch(h_flow, URGENCY)
+        return direction, magnitude, order_type, urgency
+
+
+def cosine_embedding(taus: Array, n_basis: int) -> Array:
+    """IQN's τ embedding basis ``cos(π i τ)``, i = 0..M−1 (Dabney et al. 2018, eq. 4).
+    taus: [B, Q] → [B, Q, M]."""
+    i = jnp.arange(n_basis, dtype=taus.dtype)
+    return jnp.cos(jnp.pi * i * taus[..., None])
+
+
+class IQNHead(nn.Module):
+    """Implicit quantile head: ``φ(τ) = ReLU(Dense_H(cos(π i τ)))``, feature ``h ⊙ φ(τ)``,
+    then a dueling per-branch output ``Dense(hidden) → ReLU → Dense(1 + Σ A_d)``.
+
+    (h [B, H], taus [B, Q]) → tuple of quantile values ``[B, A_d, Q]``. The IQN branches read
+    the trunk feature only (no direction/flow conditioning): the head is an auxiliary
+    distributional loss that shapes the shared trunk.
+    """
+
+    branch_sizes: tuple[int, ...]
+    n_basis: int
+    hidden: int
+    matmul_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
+        emb = cosine_embedding(taus.astype(h.dtype), self.n_basis)  # [B, Q, M]
+        phi = nn.relu(dense(emb, h.shape[-1], self.matmul_dtype, "tau_embed"))  # [B, Q, H]
+        x = h[:, None, :] * phi
+        hid = nn.relu(dense(x, self.hidden, self.matmul_dtype, "fc"))
+        out = dense(hid, 1 + sum(self.branch_sizes), self.matmul_dtype, "out")  # [B, Q, 1+ΣA]
+        value, adv = out[..., :1], out[..., 1:]
+        result, start = [], 0
+        for a in self.branch_sizes:
+            adv_d = adv[..., start:start + a]  # [B, Q, A_d]
+            start += a
+            q_d = value + adv_d - jnp.mean(adv_d, axis=-1, keepdims=True)
+            result.append(jnp.swapaxes(q_d, 1, 2))  # [B, A_d, Q]
+        return tuple(result)

@@ -1,0 +1,167 @@
+"""The branching distributional Q-network: trunk + dueling C51 heads + optional IQN head.
+
+Axes: ``B`` batch, ``W`` state width, ``K`` experts, ``D`` branches, ``A_d`` actions of branch
+d, ``Z`` atoms, ``Q`` quantile samples.
+
+Usage::
+
+    net = BranchingQNetwork(cfg.model, flow_idx=features.flow_idx)
+    params = init_params(net, key, obs_width=layout.width)      # float32 pytree
+    out = net.apply(params, obs)                                 # NetOutput
+    q_gap, q_var = policy_aux(out, action[:, 0])                 # for env.step's PolicyAux
+
+All parameters (trunk, C51 heads and IQN head) live in one tree, so the target network
+(a copy of that tree) always includes the IQN target: no head can be forgotten at a sync.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdqn.config import ModelConfig
+from jdqn.networks.heads import (
+    DIRECTION,
+    DuelingBranchingHead,
+    IQNHead,
+    expected_q,
+    make_support,
+    q_gap,
+    q_variance,
+)
+from jdqn.networks.trunk import Trunk
+
+Array = jax.Array
+
+
+class NetOutput(NamedTuple):
+    logits: tuple[Array, ...]  # per branch [B, A_d, Z] (float32, or the input dtype)
+    q: tuple[Array, ...]  # per branch [B, A_d]: E[Q] under softmax(logits)
+    q_var: tuple[Array, ...]  # per branch [B, A_d]: Var[Q] under softmax(logits)
+    gate: Array  # [B, K] MoE gate probabilities
+    quantiles: tuple[Array, ...] | None  # per branch [B_τ, A_d, Q] when taus were given
+    aux: dict[str, Array]  # diagnostics: 'selection' [B, W] variable-selection weights,
+    #                        'gate_util' [K] = mean_b gate, 'gate_entropy' [] = mean_b H(gate[b])
+
+
+class BranchingQNetwork(nn.Module):
+    """``apply(params, obs [B, W], taus [B_τ, Q] | None) -> NetOutput``.
+
+    ``taus`` may cover only the first ``B_τ ≤ B`` rows of ``obs``: the loss runs one forward over
+    the concatenated ``[s; s′]`` batch and needs quantiles at ``s`` only. ``flow_idx`` are the
+    static column indices of the order-flow features in the observation.
+    """
+
+    cfg: ModelConfig
+    flow_idx: tuple[int, ...] = ()
+
+    @nn.compact
+    def __call__(self, obs: Array, taus: Array | None = None) -> NetOutput:
+        c = self.cfg
+        trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
+                      c.matmul_dtype, name="trunk")(obs)
+        logits = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
+                                      c.v_max, tuple(self.flow_idx), c.matmul_dtype,
+                                      name="c51")(trunk.h, obs)
+        support = make_support(c.v_min, c.v_max, c.n_atoms, dtype=logits[0].dtype)
+        quantiles = None
+        if taus is not None:
+            if not c.iqn:
+                raise ValueError("taus given but ModelConfig.iqn is false (no IQN head)")
+            quantiles = IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
+                                name="iqn")(trunk.h[: taus.shape[0]], taus)
+        return NetOutput(
+            logits=logits,
+            q=tuple(expected_q(lg, support) for lg in logits),
+            q_var=tuple(q_variance(lg, support) for lg in logits),
+            gate=trunk.gate,
+            quantiles=quantiles,
+            aux={"selection": trunk.selection,
+                 "gate_util": jnp.mean(trunk.gate, axis=0),
+                 "gate_entropy": jnp.mean(-jnp.sum(trunk.gate * jnp.log(trunk.gate + 1e-12),
+                                                   axis=-1))},
+        )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_params(net: BranchingQNetwork, key: Array, obs_width: int) -> Any:
+    """Initialise every parameter (the IQN head too when ``cfg.iqn``): a float32 pytree
+    ``{'params': ...}``. Jitted (``net`` and ``obs_width`` static), so it compiles once."""
+    obs = jnp.zeros((1, obs_width), jnp.float32)
+    taus = jnp.full((1, 1), 0.5, jnp.float32) if net.cfg.iqn else None
+    return net.init(key, obs, taus)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def init_params_batched(net: BranchingQNetwork, keys: Array, obs_width: int) -> Any:
+    """One parameter tree per key, stacked on a leading seed axis: keys [S] → leaves [S, ...].
+    Each seed gets its own key, so the seeds' parameters differ."""
+    return jax.vmap(lambda k: init_params(net, k, obs_width))(keys)
+
+
+def quantiles(net: BranchingQNetwork, params: Any, obs: Array, taus: Array) -> tuple[Array, ...]:
+    """IQN quantile values per branch ``[B, A_d, Q]`` at ``taus [B, Q]``."""
+    return net.apply(params, obs, taus).quantiles
+
+
+def policy_aux(out: NetOutput, direction: Array) -> tuple[Array, Array]:
+    """What the env's sizing chain needs from the heads, for the chosen direction ``[B]``:
+
+    * ``q_gap [B]``: best − second-best expected Q of the direction branch (conviction and
+      opportunity cost);
+    * ``q_var [B]``: Var[Q] of the direction branch at the chosen direction action.
+    """
+    q_dir, var_dir = out.q[DIRECTION], out.q_var[DIRECTION]
+    var = jnp.take_along_axis(var_dir, direction[:, None].astype(jnp.int32), axis=1)[:, 0]
+    return q_gap(q_dir), var
+
+
+def greedy_action(out: NetOutput) -> Array:
+    """Per-branch argmax of expected Q: ``int32 [B, D]``."""
+    return jnp.stack([jnp.argmax(q, axis=-1) for q in out.q], axis=-1).astype(jnp.int32)
+
+
+def count_params(cfg: ModelConfig, obs_width: int, flow_idx: tuple[int, ...] = ()) -> int:
+    """Number of trainable scalars of the online network (shape-only, nothing is computed)."""
+    net = BranchingQNetwork(cfg, tuple(flow_idx))
+    shapes = jax.eval_shape(lambda k: init_params(net, k, obs_width), jax.random.key(0))
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
+
+
+def flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0,
+                     n_quantiles: int = 0) -> int:
+    """Analytic forward matmul FLOPs (2 per multiply-add) for one observation, with the IQN head
+    evaluated at ``n_quantiles`` τ samples (0 = no IQN). Elementwise ops, norms and softmaxes are
+    left out (they are < 2 % of the total at the default sizes)."""
+    w, h, k, e, g = obs_width, cfg.width, cfg.n_experts, cfg.expert_hidden, cfg.gate_hidden
+    hh, z, sizes = cfg.head_hidden, cfg.n_atoms, cfg.branch_sizes
+    macs = w * w + w * h  # variable selection, projection
+    macs += cfg.n_grn_blocks * (h * h + h * h + h * 2 * h)  # GRN: ELU fc, fc, GLU (2H)
+    macs += w * g + g * k + 2 * h * k * e + k * h  # gate, experts (both layers), mixture bias
+    macs += h * hh + hh * z  # value stream
+    extra_in = (0, sizes[0], n_flow, n_flow)  # direction Q conditioning, order-flow features
+    macs += sum((h + x) * hh + hh * a * z for a, x in zip(sizes, extra_in, strict=True))
+    macs += n_quantiles * (cfg.iqn_embed * h + h * hh + hh * (1 + sum(sizes)))
+    return 2 * macs
+
+
+def train_flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0) -> int:
+    """Useful FLOPs of one ``value_and_grad(total_loss)`` per transition: online forward at s
+    (with N quantiles) × 3 for forward + backward, online forward at s′ (action selection) and
+    target forward at s′ (with N′ quantiles). Work wasted on zero cotangents is not counted."""
+    n, n_prime = (cfg.iqn_n, cfg.iqn_n_prime) if cfg.iqn else (0, 0)
+    return (3 * flops_per_sample(cfg, obs_width, n_flow, n)
+            + flops_per_sample(cfg, obs_width, n_flow, 0)
+            + flops_per_sample(cfg, obs_width, n_flow, n_prime))
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight-decay mask for ``optax.adamw(mask=...)``: True for matmul kernels (leaf names
+    starting with ``kernel``), False for biases and LayerNorm scales/offsets."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: str(getattr(path[-1], "key", "")).startswith("kernel"), params)

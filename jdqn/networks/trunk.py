@@ -1,0 +1,193 @@
+"""Trunk: variable selection → input projection → GRN blocks → Mixture-of-Experts.
+
+Axes: ``B`` batch, ``W`` state width (128), ``H`` trunk width (256), ``K`` experts,
+``E`` expert bottleneck (64), ``G`` gate hidden (64).
+
+Precision policy (shared with :mod:`jdqn.networks.heads`): parameters are always float32. With
+``matmul_dtype = "bfloat16"`` every matmul casts its inputs to bfloat16 and its output is cast
+back to float32 immediately, so LayerNorm, gates, softmaxes and the losses run in float32. With
+``"float32"`` no cast is inserted at all, so the whole model follows its input dtype (the
+gradient tests run it in float64).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def compute_dtype(matmul_dtype: str) -> Any:
+    """``ModelConfig.matmul_dtype`` → the dtype matmul inputs are cast to (None = no cast)."""
+    return jnp.bfloat16 if matmul_dtype == "bfloat16" else None
+
+
+_LECUN_NORMAL = nn.initializers.lecun_normal()
+
+
+def dense(x: Array, features: int, matmul_dtype: str, name: str,
+          kernel_init: Any = _LECUN_NORMAL) -> Array:
+    """``nn.Dense`` under the precision policy (call inside a ``@nn.compact`` method): float32
+    params, optional bf16 matmul inputs, output cast back to float32 when the matmul ran in
+    bf16. Params land at ``<name>/kernel`` and ``<name>/bias``."""
+    cd = compute_dtype(matmul_dtype)
+    y = nn.Dense(features, dtype=cd, param_dtype=jnp.float32, kernel_init=kernel_init,
+                 name=name)(x)
+    return y.astype(jnp.float32) if cd is not None else y
+
+
+class GRNBlock(nn.Module):
+    """Gated residual network block (Lim et al. 2021, Temporal Fusion Transformers, eq. 2–5).
+
+    ``x [B, H] → LayerNorm(x + GLU(W1 · ELU(W2 x + b2) + b1))``, GLU(γ) = σ(W4 γ) ⊙ (W5 γ).
+    W4 and W5 are one ``H → 2H`` matmul.
+    """
+
+    width: int
+    matmul_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        eta2 = nn.elu(dense(x, self.width, self.matmul_dtype, "fc_elu"))
+        eta1 = dense(eta2, self.width, self.matmul_dtype, "fc")
+        gate_and_value = dense(eta1, 2 * self.width, self.matmul_dtype, "glu")
+        gate, value = jnp.split(gate_and_value, 2, axis=-1)
+        return nn.LayerNorm(param_dtype=jnp.float32, name="norm")(x + nn.sigmoid(gate) * value)
+
+
+class VariableSelection(nn.Module):
+    """Sigmoid variable-selection gate over the ``W`` inputs: ``x ⊙ σ(V x + c)``.
+
+    Sigmoid, not softmax: a softmax over W inputs makes the weights sum to one, which divides the
+    signal by the width (the predecessor's version did exactly that); independent sigmoids let
+    every input pass at full strength. Returns the gated inputs and the weights ``[B, W]``.
+    """
+
+    matmul_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, obs: Array) -> tuple[Array, Array]:
+        weights = nn.sigmoid(dense(obs, obs.shape[-1], self.matmul_dtype, "select"))
+        return obs * weights, weights
+
+
+class MoEOutput(NamedTuple):
+    h: Array  # [B, H] mixture output Σ_k g_k e_k
+    gate: Array  # [B, K] gate probabilities (softmax)
+    gate_logits: Array  # [B, K]
+
+
+def moe_mixture_reference(gate: Array, expert_out: Array) -> Array:
+    """Reference mixture ``h[b] = Σ_k gate[b, k] · expert_out[b, k]``.
+
+    gate: [B, K]; expert_out: [B, K, H] → [B, H]. The layer itself never materialises
+    ``expert_out`` (see :class:`MixtureOfExperts`); this is the oracle for tests and kernels.
+    """
+    return jnp.einsum("bk,bkh->bh", gate, expert_out)
+
+
+class ExpertWeights(nn.Module):
+    """Stacked weights of K dense layers: ``kernel [K, n_in, n_out]``, ``bias [K, n_out]``
+    (named like ``nn.Dense``'s, so name-based weight-decay masks treat them alike)."""
+
+    n_experts: int
+    n_in: int
+    n_out: int
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        shape = (self.n_experts, self.n_in, self.n_out)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape,
+                            jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.n_experts, self.n_out),
+                          jnp.float32)
+        return kernel, bias
+
+
+class MixtureOfExperts(nn.Module):
+    """K expert MLPs ``H → E → H`` (ReLU) mixed by a softmax gate on the raw state.
+
+    Experts are evaluated densely, with stacked weights ``experts_in/kernel [K, H, E]`` and
+    ``experts_out/kernel [K, E, H]`` (w1, w2 below), as
+    two batched contractions and no Python loop over experts. The mixture is folded into the
+    second contraction::
+
+        h = Σ_k g_k (relu(x w1_k + b1_k) w2_k + b2_k)
+          = einsum('bke,keh->bh', g[..., None] · hidden, w2) + g · b2
+
+    which never writes the ``[B, K, H]`` expert outputs (K·H floats per sample, the dominant
+    activation traffic of a naive dense MoE) but only the ``[B, K, E]`` hidden layer.
+
+    The gate (``W → G → K``) reads the raw observation, not the trunk feature, so its routing
+    is interpretable in terms of the state. Its last layer is zero-initialised: the model starts
+    with a uniform gate (output = mean of the experts) and balanced load.
+    """
+
+    n_experts: int
+    hidden: int
+    gate_hidden: int
+    matmul_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: Array, obs: Array) -> MoEOutput:
+        k, e, h_dim = self.n_experts, self.hidden, x.shape[-1]
+        w1, b1 = ExpertWeights(k, h_dim, e, name="experts_in")()
+        w2, b2 = ExpertWeights(k, e, h_dim, name="experts_out")()
+
+        g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc"))
+        gate_logits = dense(g_hidden, k, self.matmul_dtype, "gate_out",
+                            kernel_init=nn.initializers.zeros)
+        gate = jax.nn.softmax(gate_logits, axis=-1)
+
+        hidden = nn.relu(_einsum("bh,khe->bke", x, w1, self.matmul_dtype) + b1)  # [B, K, E]
+        weighted = gate[..., None].astype(hidden.dtype) * hidden
+        h = _einsum("bke,keh->bh", weighted, w2, self.matmul_dtype) + gate @ b2.astype(gate.dtype)
+        return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
+
+
+def expert_outputs(moe_params: Any, x: Array, matmul_dtype: str = "float32") -> Array:
+    """All expert outputs ``e [B, K, H]`` from the MoE's params (tests and diagnostics only)."""
+    w1, b1 = moe_params["experts_in"]["kernel"], moe_params["experts_in"]["bias"]
+    w2, b2 = moe_params["experts_out"]["kernel"], moe_params["experts_out"]["bias"]
+    hidden = nn.relu(_einsum("bh,khe->bke", x, w1, matmul_dtype) + b1)
+    return _einsum("bke,keh->bkh", hidden, w2, matmul_dtype) + b2
+
+
+def _einsum(spec: str, a: Array, b: Array, matmul_dtype: str) -> Array:
+    cd = compute_dtype(matmul_dtype)
+    if cd is None:
+        return jnp.einsum(spec, a, b)
+    return jnp.einsum(spec, a.astype(cd), b.astype(cd),
+                      preferred_element_type=jnp.float32)
+
+
+class TrunkOutput(NamedTuple):
+    h: Array  # [B, H] trunk feature h_s2 (MoE output) fed to the heads
+    gate: Array  # [B, K] MoE gate probabilities
+    selection: Array  # [B, W] variable-selection weights in (0, 1)
+
+
+class Trunk(nn.Module):
+    """``obs [B, W]`` → variable selection → ``Dense(H)`` → ``n_grn_blocks`` GRN blocks
+    (``h_s1``) → MoE (``h_s2``)."""
+
+    width: int
+    n_grn_blocks: int
+    n_experts: int
+    expert_hidden: int
+    gate_hidden: int
+    matmul_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, obs: Array) -> TrunkOutput:
+        x, selection = VariableSelection(self.matmul_dtype, name="selection")(obs)
+        h = dense(x, self.width, self.matmul_dtype, "proj")
+        for i in range(self.n_grn_blocks):
+            h = GRNBlock(self.width, self.matmul_dtype, name=f"grn_{i}")(h)
+        moe = MixtureOfExperts(self.n_experts, self.expert_hidden, self.gate_hidden,
+                               self.matmul_dtype, name="moe")(h, obs)
+        return TrunkOutput(h=moe.h, gate=moe.gate, selection=selection)

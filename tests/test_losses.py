@@ -1,0 +1,474 @@
+"""Specification tests for jdqn.losses: projection, double-Q C51, warm-up blend, IQN, MoE."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jdqn.config import ModelConfig, TrainConfig
+from jdqn.losses import (
+    Batch,
+    branching_td_loss,
+    categorical_double_q_loss,
+    categorical_l2_project,
+    categorical_target,
+    cross_entropy,
+    entropy_target,
+    init_moe_state,
+    iqn_double_q_loss,
+    lambda_eff,
+    load_balance_loss,
+    quantile_huber_loss,
+    total_loss,
+    update_moe_state,
+    warmup_alpha,
+    warmup_blend_loss,
+)
+from jdqn.networks import BranchingQNetwork, init_params_batched, make_support
+
+W = 12
+FLOW = (1, 2)
+SMALL = ModelConfig(width=16, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                    head_hidden=8, n_atoms=11, v_min=-5.0, v_max=5.0, iqn_embed=4, iqn_n=3,
+                    iqn_n_prime=5)
+TRAIN = TrainConfig()
+NET = BranchingQNetwork(SMALL, FLOW)  # equal to the one in test_networks.py: init compiles once
+B = 16
+LOSS = jax.jit(functools.partial(total_loss, net=NET, train_cfg=TRAIN))
+
+
+@pytest.fixture(scope="module")
+def seed_params():
+    return init_params_batched(NET, jax.random.split(jax.random.key(0), 3), W)
+
+
+@pytest.fixture(scope="module")
+def online(seed_params):
+    return jax.tree.map(lambda x: x[0], seed_params)
+
+
+@pytest.fixture(scope="module")
+def target(seed_params):
+    return jax.tree.map(lambda x: x[1], seed_params)
+
+
+def x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover
+
+    return enable_x64()
+
+
+# ------------------------------------------------------------------------------------------
+# categorical projection
+# ------------------------------------------------------------------------------------------
+
+
+def textbook_projection(tz, probs, v_min, v_max):
+    """Bellemare, Dabney & Munos 2017, Algorithm 1, written literally (float64 loops) for the
+    target atoms ``tz[j] = r + γ z_j``, with the usual fix for ``b_j`` landing exactly on an atom
+    (l = u), where Alg. 1 as printed drops that mass."""
+    n = len(tz)
+    dz = (v_max - v_min) / (n - 1)
+    m = np.zeros(n)
+    for j in range(n):
+        b = (min(max(tz[j], v_min), v_max) - v_min) / dz
+        lo, up = int(np.floor(b)), int(np.ceil(b))
+        if lo == up:
+            m[lo] += probs[j]
+        else:
+            m[lo] += probs[j] * (up - b)
+            m[up] += probs[j] * (b - lo)
+    return m
+
+
+@pytest.mark.parametrize("case", ["random", "far_outside", "done", "gamma_zero", "on_atoms"])
+def test_projection_equals_textbook_algorithm(case):
+    rng = np.random.default_rng({"random": 0, "far_outside": 1, "done": 2, "gamma_zero": 3,
+                                 "on_atoms": 4}[case])
+    v_min, v_max, n = -10.0, 10.0, 51
+    z = np.linspace(v_min, v_max, n)
+    for _ in range(10):
+        probs = rng.dirichlet(np.ones(n) * 0.3)
+        r = rng.normal(0, 6.0)
+        discount = rng.uniform(0.5, 1.0)
+        if case == "far_outside":
+            r = rng.choice([-1.0, 1.0]) * rng.uniform(8.0, 100.0)  # most of Tz outside
+            discount = rng.uniform(0.9, 1.5)
+        elif case == "done":
+            discount = 0.0  # γⁿ(1 − done) with done = 1
+        elif case == "gamma_zero":
+            discount, r = 0.0, rng.uniform(-20.0, 20.0)
+        elif case == "on_atoms":
+            r, discount = 0.4 * rng.integers(-5, 6), 1.0  # every Tz exactly on an atom
+        tz = r + discount * z
+        want = textbook_projection(tz, probs, v_min, v_max)
+        with x64():  # exact comparison in float64
+            got64 = categorical_l2_project(jnp.asarray(tz), jnp.asarray(probs), jnp.asarray(z))
+            np.testing.assert_allclose(got64, want, atol=1e-12)
+        # float32 (what training runs): same result to float32 rounding, mass conserved
+        tz32, p32 = np.float32(tz), np.float32(probs)
+        got = np.asarray(categorical_l2_project(jnp.asarray(tz32), jnp.asarray(p32),
+                                                make_support(v_min, v_max, n)))
+        np.testing.assert_allclose(got, textbook_projection(np.float64(tz32), p32, v_min, v_max),
+                                   atol=1e-5)
+        assert abs(got.sum() - p32.sum(dtype=np.float64)) < 1e-6, got.sum()
+        assert abs(got.sum() - 1.0) < 1e-6
+        assert np.all(got >= 0)
+
+
+def test_projection_vectorises_over_a_batch():
+    support = make_support(-1.0, 1.0, 5)
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (7, 5)))
+    tz = jax.random.normal(jax.random.key(1), (7, 5)) * 2
+    batched = jax.vmap(categorical_l2_project, in_axes=(0, 0, None))(tz, probs, support)
+    for i in range(7):
+        np.testing.assert_allclose(batched[i], categorical_l2_project(tz[i], probs[i], support),
+                                   rtol=1e-6)
+
+
+def test_terminal_target_is_the_clipped_reward_alone():
+    support = make_support(-5.0, 5.0, 11)
+    logits = jax.random.normal(jax.random.key(0), (3, 11))
+    q_sel = jnp.array([0.0, 1.0, 0.5])
+    t = categorical_target(jnp.float32(2.5), jnp.float32(0.0), logits, q_sel, support)
+    np.testing.assert_allclose(t, np.eye(11)[7] * 0.5 + np.eye(11)[8] * 0.5, atol=1e-6)
+    t = categorical_target(jnp.float32(1e6), jnp.float32(0.0), logits, q_sel, support)
+    np.testing.assert_allclose(t, np.eye(11)[10], atol=1e-6)  # clamped onto v_max
+
+
+# ------------------------------------------------------------------------------------------
+# double Q
+# ------------------------------------------------------------------------------------------
+
+
+def test_double_q_uses_online_argmax_with_target_distribution():
+    support = make_support(-5.0, 5.0, 11)
+    # Target net: action 2 has by far the highest mean; action 0 a low one.
+    target_logits = jnp.stack([
+        -((support + 4.0) ** 2), -((support - 0.0) ** 2), -((support - 4.0) ** 2)])
+    target_q = jnp.sum(jax.nn.softmax(target_logits) * support, -1)
+    online_q = jnp.array([3.0, -1.0, 0.0])  # online net prefers action 0
+    assert int(jnp.argmax(target_q)) == 2 and int(jnp.argmax(online_q)) == 0
+    r, disc = jnp.float32(0.3), jnp.float32(0.9)
+    got = categorical_target(r, disc, target_logits, online_q, support)
+    want = categorical_l2_project(r + disc * support, jax.nn.softmax(target_logits[0]), support)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    # not the target-argmax action, and not the online distribution
+    other = categorical_l2_project(r + disc * support, jax.nn.softmax(target_logits[2]), support)
+    assert not np.allclose(got, other, atol=1e-3)
+    # ... and the loss is the cross-entropy of the online logits at the *taken* action.
+    online_logits = jax.random.normal(jax.random.key(0), (3, 11))
+    loss = categorical_double_q_loss(online_logits, jnp.int32(1), r, disc, target_logits,
+                                     online_q, support)
+    np.testing.assert_allclose(loss, cross_entropy(online_logits[1], want), rtol=1e-6)
+
+
+def test_total_loss_selects_next_action_with_online_net(online, target):
+    """Through the network: a′ from the online net at s′, distribution from the target net."""
+    batch = _batch()
+    apply = jax.jit(NET.apply)
+    out_next, tgt, out_s = (apply(online, batch.next_obs), apply(target, batch.next_obs),
+                            apply(online, batch.obs))
+    support = make_support(SMALL.v_min, SMALL.v_max, SMALL.n_atoms)
+    n_disagree = sum(int(jnp.sum(jnp.argmax(out_next.q[d], -1) != jnp.argmax(tgt.q[d], -1)))
+                     for d in range(4))
+    assert n_disagree > 0  # online and target nets disagree on some a′: the test can fail
+    want = []
+    for i in range(B):
+        per_branch = []
+        for d in range(4):
+            a_next = int(jnp.argmax(out_next.q[d][i]))
+            tz = batch.reward[i] + batch.discount[i] * support
+            proj = categorical_l2_project(tz, jax.nn.softmax(tgt.logits[d][i, a_next]), support)
+            per_branch.append(cross_entropy(out_s.logits[d][i, batch.action[i, d]], proj))
+        want.append(sum(per_branch))
+    _, (_, per_sample, _, _) = LOSS(online, target, batch, jax.random.key(0), init_moe_state(3),
+                                    1.0)
+    np.testing.assert_allclose(per_sample, np.array(want), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# warm-up blend
+# ------------------------------------------------------------------------------------------
+
+
+def test_warmup_blend_endpoints_and_clamped_target():
+    support = make_support(-5.0, 5.0, 11)
+    logits = jax.random.normal(jax.random.key(0), (11,))
+    target = categorical_l2_project(1e6 + 0.9 * support, jax.nn.softmax(logits), support)
+    blended0, sq, ce = warmup_blend_loss(logits, target, support, jnp.float32(0.0))
+    q = jnp.sum(jax.nn.softmax(logits) * support)
+    np.testing.assert_allclose(sq, (q - 5.0) ** 2, rtol=1e-5)  # target clamped to v_max
+    assert float(sq) <= (10.0) ** 2
+    np.testing.assert_allclose(blended0, sq)
+    blended1, _, _ = warmup_blend_loss(logits, target, support, jnp.float32(1.0))
+    np.testing.assert_allclose(blended1, ce)
+    mid, _, _ = warmup_blend_loss(logits, target, support, jnp.float32(0.25))
+    np.testing.assert_allclose(mid, 0.75 * sq + 0.25 * ce, rtol=1e-6)
+
+
+def test_warmup_alpha_ramps_to_one():
+    assert float(warmup_alpha(0, 100)) == 0.0
+    assert float(warmup_alpha(50, 100)) == 0.5
+    assert float(warmup_alpha(1000, 100)) == 1.0
+    assert float(warmup_alpha(0, 0)) == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# IQN
+# ------------------------------------------------------------------------------------------
+
+
+def naive_quantile_huber(theta, tau, target, kappa=1.0):
+    total = 0.0
+    for i in range(len(theta)):
+        for j in range(len(target)):
+            u = target[j] - theta[i]
+            h = 0.5 * u * u if abs(u) <= kappa else kappa * (abs(u) - 0.5 * kappa)
+            total += abs(tau[i] - (u < 0)) * h / kappa / len(target)
+    return total
+
+
+def test_quantile_huber_matches_definition():
+    rng = np.random.default_rng(0)
+    theta, tau, target = rng.normal(size=4) * 2, rng.uniform(size=4), rng.normal(size=6) * 2
+    got = quantile_huber_loss(jnp.asarray(theta), jnp.asarray(tau), jnp.asarray(target))
+    np.testing.assert_allclose(got, naive_quantile_huber(theta, tau, target), rtol=1e-5)
+
+
+def test_iqn_double_q_uses_online_selector_and_clamps():
+    q_tm1 = jnp.zeros((3, 2))
+    tau = jnp.array([0.25, 0.75])
+    tq = jnp.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [100.0, 100.0, 100.0]])
+    sel = jnp.array([0.0, 1.0, -1.0])  # online picks action 1 (target would pick 2)
+    got = iqn_double_q_loss(q_tm1, tau, jnp.int32(0), jnp.float32(0.0), jnp.float32(1.0), tq,
+                            sel, -5.0, 5.0)
+    np.testing.assert_allclose(got, quantile_huber_loss(q_tm1[0], tau, jnp.full(3, 2.0)))
+    sel = jnp.array([0.0, -1.0, 1.0])  # online picks 2: target 100 is clamped to v_max = 5
+    got = iqn_double_q_loss(q_tm1, tau, jnp.int32(0), jnp.float32(0.0), jnp.float32(1.0), tq,
+                            sel, -5.0, 5.0)
+    np.testing.assert_allclose(got, quantile_huber_loss(q_tm1[0], tau, jnp.full(3, 5.0)))
+
+
+# ------------------------------------------------------------------------------------------
+# MoE load balance
+# ------------------------------------------------------------------------------------------
+
+
+def test_uniform_gate_gives_load_balance_loss_exactly_lambda():
+    for k in (1, 3, 8):
+        gate = jnp.full((16, k), 1.0 / k)
+        np.testing.assert_allclose(load_balance_loss(gate, jnp.float32(0.37)), 0.37, rtol=1e-6)
+    collapsed = jnp.zeros((16, 8)).at[:, 2].set(1.0)
+    np.testing.assert_allclose(load_balance_loss(collapsed, jnp.float32(0.37)), 0.37 * 8)
+
+
+def test_lambda_eff_rises_as_entropy_falls_and_never_below_floor():
+    h_target = entropy_target(8)
+    assert h_target == pytest.approx(0.9 * math.log(8))
+    ents = jnp.linspace(math.log(8), 0.0, 50)  # falling entropy EMA
+    lam = np.asarray([lambda_eff(h, 0.01, 0.05, h_target) for h in ents])
+    assert np.all(np.diff(lam) >= 0) and lam[-1] > lam[0]
+    assert np.all(lam >= 0.01 - 1e-9)
+    np.testing.assert_allclose(lam[0], 0.01)  # above target → floor
+    np.testing.assert_allclose(lam[-1], 0.06, rtol=1e-6)  # H = 0 → floor + extra
+    assert float(lambda_eff(jnp.float32(0.0), 0.01, 0.05, 0.0)) == pytest.approx(0.01)
+
+
+def test_moe_state_tracks_entropy_ema():
+    state = init_moe_state(4)
+    np.testing.assert_allclose(state.entropy_ema, math.log(4), rtol=1e-6)
+    collapsed = jnp.zeros((8, 4)).at[:, 0].set(1.0)
+    for _ in range(200):
+        state = update_moe_state(state, collapsed, 0.95)
+    assert float(state.entropy_ema) < 1e-3
+    np.testing.assert_allclose(state.util_ema, [1, 0, 0, 0], atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# gradients (float64 finite differences)
+# ------------------------------------------------------------------------------------------
+
+
+def test_loss_gradients_match_finite_differences():
+    with x64():
+        k = jax.random.split(jax.random.key(0), 6)
+        support = make_support(-5.0, 5.0, 11, dtype=jnp.float64)
+        logits = jax.random.normal(k[0], (3, 11), jnp.float64)
+        tlogits = jax.random.normal(k[1], (3, 11), jnp.float64)
+        sel = jnp.array([0.1, 0.7, 0.3], jnp.float64)
+        r, disc = jnp.float64(0.7), jnp.float64(0.95)
+
+        def c51(lg):
+            return categorical_double_q_loss(lg, jnp.int32(1), r, disc, tlogits, sel, support)
+
+        check_grads(c51, (logits,), order=1, modes=("rev",), eps=1e-6)
+        target = categorical_target(r, disc, tlogits, sel, support)
+        for alpha in (0.0, 0.4, 1.0):
+            def blend(lg, a=alpha):
+                return warmup_blend_loss(lg, target, support, jnp.float64(a))[0]
+
+            check_grads(blend, (logits[0],), order=1, modes=("rev",), eps=1e-6)
+
+        theta = jax.random.normal(k[2], (3, 4), jnp.float64)
+        tau = jax.random.uniform(k[3], (4,), jnp.float64)
+        tq = jax.random.normal(k[4], (3, 5), jnp.float64) * 3
+
+        def iqn(th):
+            return iqn_double_q_loss(th, tau, jnp.int32(2), r, disc, tq, sel, -5.0, 5.0)
+
+        check_grads(iqn, (theta,), order=1, modes=("rev",), eps=1e-6)
+
+        gate_logits = jax.random.normal(k[5], (6, 4), jnp.float64)
+
+        def balance(gl):
+            return load_balance_loss(jax.nn.softmax(gl), jnp.float64(0.3))
+
+        check_grads(balance, (gate_logits,), order=1, modes=("rev",), eps=1e-6)
+
+
+@pytest.mark.slow
+def test_total_loss_gradient_matches_finite_differences(online, target):
+    net = NET
+    with x64():
+        cast = functools.partial(jax.tree.map, lambda a: jnp.asarray(a, jnp.float64))
+        online = cast(without_direction_conditioning(online))
+        target = cast(target)
+        b = _batch(4)
+        batch = b._replace(**{f: jnp.asarray(getattr(b, f), jnp.float64)
+                              for f in ("obs", "reward", "discount", "next_obs", "weight")})
+        f = functools.partial(total_loss, target_params=target, batch=batch,
+                              key=jax.random.key(3), moe_state=init_moe_state(3),
+                              alpha=jnp.float64(0.5), net=net, train_cfg=TRAIN)
+        check_grads(jax.jit(lambda p: f(p)[0]), (online,), order=1, modes=("rev",), eps=1e-6,
+                    atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# total loss
+# ------------------------------------------------------------------------------------------
+
+
+def without_direction_conditioning(params):
+    """Zero the magnitude stream's weights on E[Q_dir] so that the conditioning's stop-gradient
+    changes nothing and finite differences are a valid gradient oracle."""
+    p = jax.tree.map(lambda x: x, params)
+    k = p["params"]["c51"]["magnitude_fc"]["kernel"]
+    p["params"]["c51"]["magnitude_fc"]["kernel"] = k.at[-SMALL.branch_sizes[0]:].set(0.0)
+    return p
+
+
+def _batch(b=B, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    action = jnp.stack([jax.random.randint(jax.random.fold_in(k[1], d), (b,), 0, a)
+                        for d, a in enumerate(SMALL.branch_sizes)], axis=1).astype(jnp.int32)
+    done = jax.random.bernoulli(k[3], 0.2, (b,))
+    return Batch(obs=jax.random.normal(k[0], (b, W)), action=action,
+                 reward=jax.random.normal(k[2], (b,)) * 3,
+                 discount=jnp.where(done, 0.0, 0.99**3).astype(jnp.float32),
+                 next_obs=jax.random.normal(k[4], (b, W)), weight=jnp.ones((b,)))
+
+
+def test_total_loss_shapes_components_and_importance_weights(online, target):
+    f = LOSS
+    batch = _batch()
+    args = (online, target, batch, jax.random.key(0), init_moe_state(3), 0.5)
+    loss, (comp, per_sample, moe_state, diag) = f(*args)
+    chex.assert_shape(per_sample, (16,))
+    chex.assert_type([loss, per_sample], jnp.float32)
+    chex.assert_shape(diag["q_mean"], (4,))
+    chex.assert_shape(diag["gate_util"], (3,))
+    np.testing.assert_allclose(
+        loss, comp["td"] + TRAIN.iqn_weight * comp["iqn"] + comp["moe_balance"], rtol=1e-6)
+    np.testing.assert_allclose(comp["td"], 0.5 * comp["mse"] + 0.5 * comp["c51"], rtol=1e-5)
+    np.testing.assert_allclose(comp["td"], per_sample.mean() / 4, rtol=1e-5)
+    assert comp["moe_balance"] >= TRAIN.moe_lambda_floor * 0.999
+    # importance weights scale the TD and IQN terms per sample; priorities ignore them
+    w = jnp.zeros(16).at[:4].set(4.0)
+    loss_w, (comp_w, per_sample_w, _, _) = f(args[0], args[1], batch._replace(weight=w),
+                                             *args[3:])
+    np.testing.assert_allclose(per_sample_w, per_sample)
+    np.testing.assert_allclose(
+        loss_w, comp_w["td"] + TRAIN.iqn_weight * comp_w["iqn"] + comp_w["moe_balance"],
+        rtol=1e-6)
+    np.testing.assert_allclose(comp_w["td"], per_sample[:4].sum() * 4 / 16 / 4, rtol=1e-5)
+    assert moe_state.entropy_ema.shape == ()
+
+
+def test_fused_and_separate_next_obs_forward_agree(online, target):
+    args = (online, target, _batch(), jax.random.key(0), init_moe_state(3), 0.3)
+    net = BranchingQNetwork(dataclasses.replace(SMALL, fuse_next_obs=False), FLOW)
+    separate = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))
+    (loss_f, aux_f), (loss_s, aux_s) = LOSS(*args), separate(*args)
+    np.testing.assert_allclose(loss_f, loss_s, rtol=1e-5)
+    np.testing.assert_allclose(aux_f[1], aux_s[1], rtol=1e-5)
+
+
+def test_loss_without_iqn_head(online):
+    net = BranchingQNetwork(dataclasses.replace(SMALL, iqn=False), FLOW)
+    params = {"params": {k: v for k, v in online["params"].items() if k != "iqn"}}
+    shapes = jax.eval_shape(lambda k: init_params_batched(net, k, W), jax.random.split(
+        jax.random.key(0), 1))
+    assert "iqn" not in shapes["params"]
+    loss, (comp, _, _, _) = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))(
+        params, params, _batch(), jax.random.key(0), init_moe_state(3), 1.0)
+    assert float(comp["iqn"]) == 0.0 and np.isfinite(float(loss))
+
+
+def test_forward_and_loss_jit_and_vmap_over_seeds(seed_params):
+    """Per seed: own params (from init with its own key), own τ key; one jitted program."""
+    targets = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), seed_params)
+    loss_keys = jax.random.split(jax.random.key(42), 3)
+
+    @jax.jit
+    @functools.partial(jax.vmap, in_axes=(0, 0, None, 0))
+    def one_seed(params, target, batch, key):
+        (loss, aux), grads = jax.value_and_grad(
+            functools.partial(total_loss, net=NET, train_cfg=TRAIN), has_aux=True)(
+            params, target, batch, key, init_moe_state(3), 0.5)
+        return loss, aux[1], grads
+
+    loss, per_sample, grads = one_seed(seed_params, targets, _batch(), loss_keys)
+    chex.assert_shape(loss, (3,))
+    chex.assert_shape(per_sample, (3, B))
+    assert len(set(np.asarray(loss).round(6).tolist())) == 3  # every seed is different
+    chex.assert_tree_all_finite(grads)
+
+
+def test_bf16_loss_stays_float32_and_close(online, target):
+    args = (online, target, _batch(), jax.random.key(0), init_moe_state(3), 0.5)
+    net16 = BranchingQNetwork(dataclasses.replace(SMALL, matmul_dtype="bfloat16"), FLOW)
+    losses = []
+    for f in (LOSS, jax.jit(functools.partial(total_loss, net=net16, train_cfg=TRAIN))):
+        loss, (_, per_sample, _, _) = f(*args)
+        chex.assert_type([loss, per_sample], jnp.float32)
+        losses.append(float(loss))
+    assert losses[1] == pytest.approx(losses[0], rel=0.05)
+
+
+def test_branching_td_loss_is_mean_over_branches_of_c51_at_alpha_one():
+    support = make_support(-5.0, 5.0, 11)
+    k = jax.random.split(jax.random.key(0), 3)
+    sizes = (4, 3, 3, 3)
+    logits = tuple(jax.random.normal(jax.random.fold_in(k[0], d), (a, 11))
+                   for d, a in enumerate(sizes))
+    tlogits = tuple(jax.random.normal(jax.random.fold_in(k[1], d), (a, 11))
+                    for d, a in enumerate(sizes))
+    sel = tuple(jax.random.normal(jax.random.fold_in(k[2], d), (a,)) for d, a in enumerate(sizes))
+    action = jnp.array([3, 0, 2, 1], jnp.int32)
+    out = branching_td_loss(logits, action, jnp.float32(0.5), jnp.float32(0.9), tlogits, sel,
+                            support, jnp.float32(1.0))
+    for d in range(4):
+        want = categorical_double_q_loss(logits[d], action[d], jnp.float32(0.5),
+                                         jnp.float32(0.9), tlogits[d], sel[d], support)
+        np.testing.assert_allclose(out["td"][d], want, rtol=1e-6)

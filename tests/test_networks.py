@@ -1,0 +1,340 @@
+"""Specification tests for jdqn.networks: trunk, MoE, dueling branching heads, IQN head."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jdqn.config import ModelConfig
+from jdqn.networks import (
+    DIRECTION,
+    MAGNITUDE,
+    ORDER_TYPE,
+    URGENCY,
+    BranchingQNetwork,
+    MixtureOfExperts,
+    cosine_embedding,
+    count_params,
+    decay_mask,
+    dueling_logits,
+    expected_q,
+    expert_outputs,
+    flops_per_sample,
+    greedy_action,
+    init_params,
+    init_params_batched,
+    make_support,
+    moe_mixture_reference,
+    policy_aux,
+    q_gap,
+    q_variance,
+)
+
+W = 12  # small observation width
+FLOW = (1, 2)
+SMALL = ModelConfig(width=16, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                    head_hidden=8, n_atoms=11, v_min=-5.0, v_max=5.0, iqn_embed=4, iqn_n=3,
+                    iqn_n_prime=5)
+
+
+B, NQ = 8, 3  # one batch shape everywhere, so compiled programs are shared between tests
+NET = BranchingQNetwork(SMALL, FLOW)
+NET16 = BranchingQNetwork(dataclasses.replace(SMALL, matmul_dtype="bfloat16"), FLOW)
+APPLY = jax.jit(NET.apply)
+APPLY16 = jax.jit(NET16.apply)
+TAUS = jax.random.uniform(jax.random.key(9), (B, NQ))
+
+
+@pytest.fixture(scope="module")
+def seed_params():
+    """Three seeds' params from one vmapped, jitted init (compiled once for the module)."""
+    return init_params_batched(NET, jax.random.split(jax.random.key(0), 3), W)
+
+
+@pytest.fixture(scope="module")
+def params(seed_params):
+    return jax.tree.map(lambda x: x[0], seed_params)
+
+
+def x64():
+    """Context manager enabling float64 (``jax.enable_x64`` on new JAX, experimental on old)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover
+
+    return enable_x64()
+
+
+def _net(cfg: ModelConfig = SMALL, flow=FLOW) -> BranchingQNetwork:
+    return BranchingQNetwork(cfg, flow)
+
+
+def without_direction_conditioning(params):
+    """Zero the magnitude stream's weights on E[Q_dir]: then the stop-gradient in the
+    conditioning changes nothing and finite differences are a valid gradient oracle."""
+    p = jax.tree.map(lambda x: x, params)
+    k = p["params"]["c51"]["magnitude_fc"]["kernel"]
+    p["params"]["c51"]["magnitude_fc"]["kernel"] = k.at[-SMALL.branch_sizes[0]:].set(0.0)
+    return p
+
+
+def _obs(b: int = B, seed: int = 0) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (b, W))
+
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_forward_shapes_and_dtypes(params, matmul_dtype):
+    for leaf in jax.tree.leaves(params):
+        chex.assert_type(leaf, jnp.float32)  # params are float32 in every precision mode
+    apply = APPLY16 if matmul_dtype == "bfloat16" else APPLY
+    out = apply(params, _obs(), TAUS)
+    for d, a in enumerate(SMALL.branch_sizes):
+        chex.assert_shape(out.logits[d], (B, a, SMALL.n_atoms))
+        chex.assert_shape([out.q[d], out.q_var[d]], (B, a))
+        chex.assert_shape(out.quantiles[d], (B, a, NQ))
+        chex.assert_type([out.logits[d], out.q[d], out.q_var[d], out.quantiles[d]], jnp.float32)
+        chex.assert_tree_all_finite(out.logits[d])
+        assert bool(jnp.all(out.q_var[d] >= 0))
+    chex.assert_shape(out.gate, (B, SMALL.n_experts))
+    chex.assert_shape(out.aux["selection"], (B, W))
+    chex.assert_shape(out.aux["gate_util"], (SMALL.n_experts,))
+    np.testing.assert_allclose(out.aux["gate_util"], out.gate.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(out.aux["gate_entropy"], np.log(SMALL.n_experts), rtol=1e-5)
+    np.testing.assert_allclose(out.gate.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_bf16_matmuls_track_float32(params):
+    q32 = APPLY(params, _obs(), TAUS).q
+    q16 = APPLY16(params, _obs(), TAUS).q
+    for a, b in zip(q32, q16, strict=True):
+        np.testing.assert_allclose(a, b, atol=0.05 * SMALL.v_max)
+
+
+def test_bf16_matmuls_really_run_in_bf16(params):
+    hlo = jax.jit(NET16.apply).lower(params, _obs(), TAUS).as_text()
+    assert re.search(r"dot_general.*bf16", hlo), "no bf16 matmul in the lowered program"
+    hlo32 = jax.jit(NET.apply).lower(params, _obs(), TAUS).as_text()
+    assert not re.search(r"dot_general.*bf16", hlo32)
+
+
+def test_init_vmapped_over_seeds_gives_different_params(seed_params):
+    kernel = seed_params["params"]["trunk"]["proj"]["kernel"]  # [3, W, H]
+    assert not np.allclose(kernel[0], kernel[1]) and not np.allclose(kernel[1], kernel[2])
+    out = jax.jit(jax.vmap(NET.apply, in_axes=(0, None, None)))(seed_params, _obs(), TAUS)
+    assert not np.allclose(out.q[0][0], out.q[0][1])
+
+
+def test_dueling_identity_constant_advantage_shift_leaves_logits_unchanged(params):
+    value = jax.random.normal(jax.random.key(0), (4, 11))
+    adv = jax.random.normal(jax.random.key(1), (4, 3, 11))
+    shift = jax.random.normal(jax.random.key(2), (4, 1, 11)) * 10.0  # per sample and atom
+    np.testing.assert_allclose(dueling_logits(value, adv), dueling_logits(value, adv + shift),
+                               atol=1e-5)
+    # ... and through the network: a per-atom shift of a branch's advantage output bias.
+    for d, name in enumerate(("direction", "magnitude", "order_type", "urgency")):
+        a = SMALL.branch_sizes[d]
+        c = jnp.tile(jnp.linspace(-3.0, 7.0, SMALL.n_atoms), a)  # bias layout [A_d * Z]
+        shifted = jax.tree.map(lambda x: x, params)
+        shifted["params"]["c51"][f"{name}_out"]["bias"] = (
+            params["params"]["c51"][f"{name}_out"]["bias"] + c)
+        before, after = APPLY(params, _obs(), TAUS), APPLY(shifted, _obs(), TAUS)
+        np.testing.assert_allclose(before.logits[d], after.logits[d], atol=1e-5)
+    # A shift that differs across actions does change them (the test can fail).
+    bad = jax.random.normal(jax.random.key(3), (4, 3, 1))
+    assert not np.allclose(dueling_logits(value, adv), dueling_logits(value, adv + bad))
+
+
+def test_expected_q_variance_and_gap_match_numpy():
+    logits = jax.random.normal(jax.random.key(0), (6, 4, 11)) * 2
+    z = make_support(-5.0, 5.0, 11)
+    p = np.exp(np.asarray(logits, np.float64))
+    p /= p.sum(-1, keepdims=True)
+    mean = (p * np.asarray(z)).sum(-1)
+    var = (p * np.asarray(z) ** 2).sum(-1) - mean**2
+    np.testing.assert_allclose(expected_q(logits, z), mean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(q_variance(logits, z), var, rtol=1e-4, atol=1e-4)
+    srt = np.sort(mean, -1)
+    np.testing.assert_allclose(q_gap(jnp.asarray(mean)), srt[:, -1] - srt[:, -2], atol=1e-6)
+
+
+def test_policy_aux_gives_direction_gap_and_variance_of_chosen_direction(params):
+    out = APPLY(params, _obs(), TAUS)
+    direction = jnp.array([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
+    gap, var = policy_aux(out, direction)
+    chex.assert_shape([gap, var], (8,))
+    np.testing.assert_allclose(var, out.q_var[DIRECTION][jnp.arange(8), direction])
+    np.testing.assert_allclose(gap, q_gap(out.q[DIRECTION]))
+    act = greedy_action(out)
+    chex.assert_shape(act, (8, 4))
+    chex.assert_type(act, jnp.int32)
+
+
+def test_magnitude_loss_cannot_move_direction_stream(params):
+    """Gradient policy: E[Q_dir] enters the magnitude stream through a stop-gradient."""
+
+    def mag(p):
+        return jnp.sum(NET.apply(p, _obs(), TAUS).logits[MAGNITUDE] ** 2)
+
+    g = jax.jit(jax.grad(mag))(params)["params"]["c51"]
+    for name in ("direction_fc", "direction_out"):
+        for leaf in jax.tree.leaves(g[name]):
+            assert np.all(np.asarray(leaf) == 0.0), name
+    assert np.any(np.asarray(g["magnitude_out"]["kernel"]) != 0.0)
+    # ... but the conditioning is real: moving the direction stream changes magnitude logits.
+    moved = jax.tree.map(lambda x: x, params)
+    moved["params"]["c51"]["direction_out"]["bias"] = (
+        params["params"]["c51"]["direction_out"]["bias"]
+        + jax.random.normal(jax.random.key(5), params["params"]["c51"]["direction_out"]["bias"]
+                            .shape))
+    assert not np.allclose(APPLY(params, _obs(), TAUS).logits[MAGNITUDE],
+                           APPLY(moved, _obs(), TAUS).logits[MAGNITUDE])
+
+
+def test_order_type_and_urgency_read_order_flow_features(params):
+    c51 = params["params"]["c51"]
+    for name in ("order_type_fc", "urgency_fc"):
+        assert c51[name]["kernel"].shape[0] == SMALL.width + len(FLOW)
+    assert c51["magnitude_fc"]["kernel"].shape[0] == SMALL.width + SMALL.branch_sizes[0]
+    assert c51["direction_fc"]["kernel"].shape[0] == SMALL.width
+    no_flow = jax.eval_shape(lambda k: init_params(_net(flow=()), k, W), jax.random.key(0))
+    assert no_flow["params"]["c51"]["order_type_fc"]["kernel"].shape[0] == SMALL.width
+
+    # The flow columns reach the order-type/urgency heads directly (beyond the trunk): the
+    # gradient w.r.t. obs[:, flow] changes when the direct flow weights are zeroed.
+    @jax.jit
+    def flow_grads(p):
+        def f(obs):
+            q = NET.apply(p, obs, TAUS).q
+            return jnp.sum(q[ORDER_TYPE]), jnp.sum(q[URGENCY])
+
+        return jax.jacrev(f)(_obs())
+
+    cut = jax.tree.map(lambda x: x, params)
+    for name in ("order_type_fc", "urgency_fc"):
+        k = params["params"]["c51"][name]["kernel"]
+        cut["params"]["c51"][name]["kernel"] = k.at[SMALL.width:].set(0.0)
+    for g_full, g_cut in zip(flow_grads(params), flow_grads(cut), strict=True):
+        assert not np.allclose(g_full[:, FLOW], g_cut[:, FLOW])
+
+
+def _moe_setup(zero_gate: bool):
+    moe = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6)
+    x = jax.random.normal(jax.random.key(0), (7, 9))
+    obs = jax.random.normal(jax.random.key(1), (7, W))
+    params = moe.init(jax.random.key(2), x, obs)
+    if not zero_gate:
+        gk = params["params"]["gate_out"]["kernel"]
+        params["params"]["gate_out"]["kernel"] = jax.random.normal(jax.random.key(3), gk.shape)
+    return moe, params, x, obs
+
+
+def test_zero_initialised_gate_gives_mean_of_experts():
+    moe, params, x, obs = _moe_setup(zero_gate=True)
+    out = moe.apply(params, x, obs)
+    np.testing.assert_allclose(out.gate, 0.25, rtol=1e-6)
+    experts = expert_outputs(params["params"], x)  # [B, K, H]
+    np.testing.assert_allclose(out.h, experts.mean(axis=1), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(experts[:, 0], experts[:, 1])  # experts do differ
+
+
+def test_moe_fused_mixture_equals_reference_mixture():
+    moe, params, x, obs = _moe_setup(zero_gate=False)
+    out = moe.apply(params, x, obs)
+    assert not np.allclose(out.gate, 0.25)
+    ref = moe_mixture_reference(out.gate, expert_outputs(params["params"], x))
+    np.testing.assert_allclose(out.h, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_mixture_gradients_match_finite_differences():
+    moe, params, x, obs = _moe_setup(zero_gate=False)
+    with x64():
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        x64_, obs64 = jnp.asarray(x, jnp.float64), jnp.asarray(obs, jnp.float64)
+
+        @jax.jit
+        def f(p, xx):
+            return jnp.sum(jnp.tanh(moe.apply(p, xx, obs64).h))
+
+        check_grads(f, (p64, x64_), order=1, modes=("rev",), eps=1e-6, atol=1e-5, rtol=1e-5)
+        gate = jax.nn.softmax(jax.random.normal(jax.random.key(4), (7, 4), jnp.float64))
+        e = jax.random.normal(jax.random.key(5), (7, 4, 9), jnp.float64)
+        check_grads(moe_mixture_reference, (gate, e), order=1, modes=("rev",), eps=1e-6)
+
+
+@pytest.mark.slow
+def test_whole_network_gradients_match_finite_differences(params):
+    net = NET
+    params = without_direction_conditioning(params)
+    with x64():
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        obs = jnp.asarray(_obs(3), jnp.float64)
+        taus = jnp.asarray([[0.1, 0.5], [0.3, 0.9], [0.7, 0.2]], jnp.float64)
+
+        @jax.jit
+        def f(p):
+            out = net.apply(p, obs, taus)
+            return sum(jnp.sum(jnp.sin(q)) for q in out.q + out.quantiles)
+
+        check_grads(f, (p64,), order=1, modes=("rev",), eps=1e-6, atol=1e-5, rtol=1e-5)
+
+
+def test_iqn_head_cosine_embedding_and_partial_rows(params):
+    taus = jnp.array([[0.0, 0.25, 1.0]])
+    emb = cosine_embedding(taus, 3)  # cos(π i τ), i = 0, 1, 2
+    np.testing.assert_allclose(emb[0, 1], [1.0, np.cos(np.pi / 4), np.cos(np.pi / 2)], atol=1e-6)
+    apply = jax.jit(NET.apply)
+    obs = _obs(6)
+    taus = jax.random.uniform(jax.random.key(1), (2, 5))
+    part = apply(params, obs, taus).quantiles  # quantiles for rows 0..1 only
+    full = apply(params, obs[:2], taus).quantiles
+    for a, b in zip(part, full, strict=True):
+        chex.assert_shape(a, (2, b.shape[1], 5))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_analytic_flops_match_xla_cost_analysis():
+    cfg = ModelConfig()
+    net = BranchingQNetwork(cfg, (3, 4, 5))
+    params = jax.eval_shape(lambda k: init_params(net, k, 128), jax.random.key(0))
+    b, q = 8, 4
+    lowered = jax.jit(net.apply).lower(params, jax.ShapeDtypeStruct((b, 128), jnp.float32),
+                                       jax.ShapeDtypeStruct((b, q), jnp.float32))
+    if not hasattr(lowered, "cost_analysis"):
+        pytest.skip("this JAX has no Lowered.cost_analysis")
+    cost = lowered.cost_analysis()  # XLA's HLO cost model, no compilation needed
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if not cost or "flops" not in cost:
+        pytest.skip("this backend reports no cost analysis")
+    analytic = b * flops_per_sample(cfg, 128, n_flow=3, n_quantiles=q)
+    assert abs(analytic - cost["flops"]) / cost["flops"] < 0.05, (analytic, cost["flops"])
+
+
+def test_decay_mask_decays_kernels_only(params):
+    mask = decay_mask(params)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+    assert flat["['params']['trunk']['moe']['experts_in']['kernel']"] is True
+    assert flat["['params']['trunk']['moe']['experts_out']['bias']"] is False
+    assert flat["['params']['trunk']['grn_0']['norm']['scale']"] is False
+    assert flat["['params']['c51']['value_out']['kernel']"] is True
+
+
+DEFAULT_PARAM_COUNT = 1_158_816  # ModelConfig() defaults, W = 128, no flow features
+
+
+def test_default_param_count_matches_docs(capsys):
+    n = count_params(ModelConfig(), obs_width=128, flow_idx=())
+    with capsys.disabled():
+        print(f"\ndefault model parameter count (W=128, no flow features): {n:,}")
+    assert n == DEFAULT_PARAM_COUNT
+    # Each order-flow feature adds one input row to the order-type and urgency streams.
+    assert count_params(ModelConfig(), 128, (5, 6, 7)) == n + 3 * 2 * ModelConfig().head_hidden
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "model.md").read_text()
+    assert f"{DEFAULT_PARAM_COUNT:,}" in doc
