@@ -199,7 +199,6 @@ class ModelConfig:
     iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of matmuls
     fuse_next_obs: bool = True  # loss: one online forward over [s; s′] (fewer kernels) vs two
-    impl: Literal["auto", "xla", "pallas"] = "auto"  # auto = pallas on GPU, xla elsewhere
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +274,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    n_devices: int = fld(1, ge=0)  # 0 = all local devices
-    distributed: bool = False  # jax.distributed.initialize() for multi-host
+    n_devices: int = fld(1, ge=0)  # devices to train on (only 1 in this version)
+    distributed: bool = False  # multi-host jax.distributed (not in this version)
 
 
 @dataclass(frozen=True)
@@ -418,6 +417,11 @@ def _validate(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{p}seeds is empty; give at least one seed")
         if obj.train_frac + obj.test_frac >= 1:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
+    if isinstance(obj, ParallelConfig) and (obj.n_devices != 1 or obj.distributed):
+        # Refused rather than ignored: a config asking for 8 GPUs must not silently train on 1.
+        raise ConfigError(f"{p}n_devices = {obj.n_devices}, {p}distributed = "
+                          f"{str(obj.distributed).lower()}: data-parallel training is not "
+                          "available in this version; use n_devices = 1, distributed = false")
     if isinstance(obj, EvalConfig):
         allowed = {"flat", "buy_and_hold", "momentum", "random"}
         for b in obj.baselines:

@@ -81,3 +81,8 @@ def test_invalid_toml_names_file(tmp_path):
     p.write_text("[train\nlr = 1")
     with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
         load_config(p)
+
+
+def test_unavailable_data_parallel_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="parallel.n_devices = 4.*not available"):
+        config_from_dict({"parallel": {"n_devices": 4}})

@@ -198,7 +198,7 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     new = state.replace(params=params, target_params=target, opt_state=opt_state, replay=replay,
                         moe=moe, monitor=monitor, key=key, update_step=state.update_step + 1)
     metrics = {**{f"loss_{k}": v for k, v in comps.items()}, **diag,
-               "grad_norm": optax.global_norm(grads), "per_beta": per_beta(learner,
+               "grad_norm": optax.tree.norm(grads), "per_beta": per_beta(learner,
                                                                             state.update_step),
                "blend_alpha": alpha}
     return new, metrics
