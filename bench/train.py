@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-epoch", action="store_true")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="config override, e.g. --set model.fuse_next_obs=false")
     args = ap.parse_args()
     if args.precision != "default":
         jax.config.update("jax_default_matmul_precision", args.precision)
@@ -154,12 +156,13 @@ def main() -> None:
         sets += ["env.n_envs=256", "env.episode_length=256", "train.replay_capacity=100000",
                  "train.min_replay=2000", "train.iters_per_epoch=10",
                  "train.collect_steps=8", "train.updates_per_iter=2", "train.batch_size=1024"]
-    base = load_config(args.config, sets)
+    base = load_config(args.config, sets + args.sets)
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else ([256, 1024] if args.quick else [256, 4096, 16384]))
     n_up = 10 if args.quick else args.updates
     out = {
         "bench": "train", "config": Path(args.config).name, "quick": args.quick,
+        "sets": args.sets, "fuse_next_obs": base.model.fuse_next_obs,
         "matmul_dtype": args.dtype, "matmul_precision": args.precision,
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
                                                        "expert_hidden", "n_atoms", "iqn")},
