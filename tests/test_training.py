@@ -124,11 +124,16 @@ def test_seeds_get_independent_streams_in_one_program():
 def test_same_seed_is_bitwise_identical_and_different_seeds_differ(tmp_path):
     a = job_lib.run_job(tiny_config(), tmp_path / "a", quiet=True)
     b = job_lib.run_job(tiny_config(), tmp_path / "b", quiet=True)
-    c = job_lib.run_job(tiny_config("train.seeds=[1]"), tmp_path / "c", quiet=True)
+    c = job_lib.run_job(tiny_config("train.seeds=[1, 2]"), tmp_path / "c", quiet=True)
     ra = (tmp_path / "a" / "returns.csv").read_bytes()
     assert ra == (tmp_path / "b" / "returns.csv").read_bytes()
     assert a["test"] == b["test"] and a["folds"] == b["folds"]
-    assert ra != (tmp_path / "c" / "returns.csv").read_bytes() or a["folds"] != c["folds"]
+    assert a["folds"] != c["folds"]
+    # Multi-seed: one program, a report per seed; the seeds differ from each other.
+    c2 = json.loads((tmp_path / "c" / "seeds" / "seed_2" / "report.json").read_text())
+    assert c["extra"]["seed"] == 1 and c2["extra"]["seed"] == 2
+    assert c2["folds"] != c["folds"]
+    assert (tmp_path / "c" / "seeds" / "seed_2" / "returns.csv").is_file()
 
 
 # --------------------------------------------------------------------------------------------

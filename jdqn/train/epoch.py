@@ -21,6 +21,7 @@ import optax
 
 from jdqn.env import core as env_core
 from jdqn.env.normalise import normalise_reward
+from jdqn.env.sizing import FACTOR_NAMES
 from jdqn.losses.total import Batch, total_loss, warmup_alpha
 from jdqn.networks.model import greedy_action, policy_aux
 from jdqn.replay import nstep as nstep_lib
@@ -106,6 +107,7 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
             "abs_intended": jnp.mean(jnp.abs(info["intended_position"])),
             "abs_realised": jnp.mean(jnp.abs(info["position"])),
             "size_scale": jnp.mean(info["size_scale"]),
+            **{f"size_{k}": jnp.mean(info[f"size_{k}"]) for k in FACTOR_NAMES},
             "episodes_done": jnp.sum(done.astype(jnp.float32)),
             "finite_rewards": jnp.all(jnp.isfinite(reward_n)),
             "finite_logits": jnp.all(jnp.stack([jnp.all(jnp.isfinite(lg)) for lg in out.logits])),
