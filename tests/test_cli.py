@@ -116,3 +116,10 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
     assert (out / "precious.txt").read_text() == "keep me"
     assert_user_error(run_cli("--config", "configs/quickstart.toml", "--resume"),
                       "--resume needs --output-dir")
+
+
+def test_es_ticks_config_builds_features_from_the_shipped_sample():
+    res = run_cli("--config", "configs/es_ticks.toml", "--features-only",
+                  "--set", "data.cache_dir=''")
+    assert res.returncode == 0, res.stderr
+    assert "from ticks (builtin:es_ticks)" in res.stdout
