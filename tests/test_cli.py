@@ -123,3 +123,9 @@ def test_es_ticks_config_builds_features_from_the_shipped_sample():
                   "--set", "data.cache_dir=''")
     assert res.returncode == 0, res.stderr
     assert "from ticks (builtin:es_ticks)" in res.stdout
+
+
+def test_episode_longer_than_the_train_window_is_refused(tmp_path):
+    res = run_cli("--config", "configs/quickstart.toml", "--set", "env.episode_length=50000",
+                  "--output-dir", str(tmp_path / "o"))
+    assert_user_error(res, "env.episode_length = 50000", "shortest train window")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdqn.config import Config
+from jdqn.config import Config, ConfigError
 from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
 from jdqn.env import core as env_core
 from jdqn.errors import CheckpointError, TrainingHalted
@@ -66,6 +66,11 @@ def prepare(cfg: Config) -> Prepared:
     bars, feats, hit = load_or_build(cfg)
     layout = StateLayout(feats.n_features, cfg.features.state_width)
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
+    shortest = min(f.train[1] - f.train[0] for f in plan.folds)
+    if shortest < cfg.env.episode_length + 1:
+        raise ConfigError(f"env.episode_length = {cfg.env.episode_length} does not fit the "
+                          f"shortest train window ({shortest} bars, fold 0); use ≤ "
+                          f"{shortest - 1}, fewer folds or more data")
     learner = Learner.create(cfg, feats.flow_idx, layout.width)
     return Prepared(bars, feats, layout, plan, learner,
                     periods_per_year(bars.bar_seconds, cfg.eval), hit)
