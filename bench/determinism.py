@@ -20,14 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jdqn.config import load_config  # noqa: E402
-from jdqn.train import job as job_lib  # noqa: E402
-from jdqn.train.epoch import make_epoch_fn  # noqa: E402
-from jdqn.train.state import seed_keys  # noqa: E402
+from jdqn.config import load_config
+from jdqn.train import job as job_lib
+from jdqn.train.epoch import make_epoch_fn
+from jdqn.train.state import seed_keys
 
 
 def digest(tree) -> tuple[str, list[str]]:

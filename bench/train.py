@@ -28,13 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jdqn.config import apply_overrides, config_from_dict, load_config  # noqa: E402
-from jdqn.train import epoch as epoch_lib  # noqa: E402
-from jdqn.train import job as job_lib  # noqa: E402
-from jdqn.train.state import seed_keys  # noqa: E402
+from jdqn.config import apply_overrides, config_from_dict, load_config
+from jdqn.train import epoch as epoch_lib
+from jdqn.train import job as job_lib
+from jdqn.train.state import seed_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def bench_epoch(cfg, repeats: int) -> dict:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        state, m = fn(state, env_params, fold)
+        state, _ = fn(state, env_params, fold)
         jax.block_until_ready(state)
         best = min(best, time.perf_counter() - t)
     c = cfg.train
@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-epoch", action="store_true")
+    ap.add_argument("--skip-collect", action="store_true")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="config override, e.g. --set model.fuse_next_obs=false")
     args = ap.parse_args()
@@ -167,8 +168,9 @@ def main() -> None:
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
                                                        "expert_hidden", "n_atoms", "iqn")},
         "updates": [bench_updates(base, b, n_up, args.repeats) for b in batches],
-        "collect": bench_collect(base, args.repeats),
     }
+    if not args.skip_collect:
+        out["collect"] = bench_collect(base, args.repeats)
     if not args.skip_epoch:
         out["epoch"] = bench_epoch(base, max(1, args.repeats - 1))
     dev = jax.devices()[0]

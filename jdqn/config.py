@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -364,7 +365,7 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
     hi = f"{le}]" if le is not None else (f"{lt})" if lt is not None else "inf)")
     bad = ((ge is not None and value < ge) or (le is not None and value > le)
            or (gt is not None and value <= gt) or (lt is not None and value >= lt))
-    if bad or value != value:  # NaN is always out of range
+    if bad or math.isnan(value):  # NaN is always out of range
         raise ConfigError(f"{key} = {value!r} is out of range; allowed: {lo}, {hi}")
 
 
@@ -403,10 +404,10 @@ def _validate(obj: Any, prefix: str) -> None:
         if obj.branch_sizes[0] != 4:
             raise ConfigError(f"{p}branch_sizes[0] = {obj.branch_sizes[0]}: the direction branch "
                               "has exactly 4 actions (short, hold, long, flat)")
-    if isinstance(obj, EnvConfig):
-        if len(obj.limit_expiry) != 3 or any(e < 1 for e in obj.limit_expiry):
-            raise ConfigError(f"{p}limit_expiry = {list(obj.limit_expiry)}: need 3 positive bar "
-                              "counts, one per urgency level")
+    if isinstance(obj, EnvConfig) and (len(obj.limit_expiry) != 3
+                                       or any(e < 1 for e in obj.limit_expiry)):
+        raise ConfigError(f"{p}limit_expiry = {list(obj.limit_expiry)}: need 3 positive bar "
+                          "counts, one per urgency level")
     if isinstance(obj, FeaturesConfig):
         for name in ("return_lags", "vol_windows", "mtf_factors"):
             vals = getattr(obj, name)
@@ -508,7 +509,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return repr(v) if v == v else "nan"
+        return "nan" if isinstance(v, float) and math.isnan(v) else repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):

@@ -77,8 +77,8 @@ def features_summary(cfg: Config) -> str:
     lines = [
         f"bars: {len(bars.close)} from {cfg.data.source}"
         + (f" ({cfg.data.path})" if cfg.data.path else ""),
-        f"features: {feats.values.shape[1]} columns, warm-up {feats.warmup} bars, "
-        f"cache {'hit' if hit else 'built'}",
+        (f"features: {feats.values.shape[1]} columns, warm-up {feats.warmup} bars, "
+         f"cache {'hit' if hit else 'built'}"),
         "  " + ", ".join(feats.names),
     ]
     return "\n".join(lines)

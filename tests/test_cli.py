@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "jdqn.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
 
 
 def assert_user_error(res: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from jdqn.config import (Config, ConfigError, apply_overrides, config_from_dict, dumps_toml,
-                         load_config)
+from jdqn.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    dumps_toml,
+    load_config,
+)
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
 

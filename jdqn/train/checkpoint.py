@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Self
 
@@ -147,6 +148,22 @@ def _jsonable(d: dict[str, Any] | None, what: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {what} must be JSON-serialisable: {e}") from None
 
 
+def _silence_closed_loop_callbacks() -> None:
+    """After a failed restore, tensorstore may still deliver read callbacks to orbax's event loop
+    after orbax closed it; each raises ``RuntimeError('Event loop is closed')`` as an
+    "unraisable" exception whose traceback would bury our one-line error. Drop exactly those;
+    everything else still reaches the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Async orbax checkpoints with best-N/latest-N retention and a layout check on restore.
 
@@ -244,6 +261,7 @@ class Checkpointer:
                 raise ValueError("no layout fingerprint")
             return layout
         except Exception as e:
+            _silence_closed_loop_callbacks()
             raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt, "
                                   f"incomplete or not a jdqn checkpoint): {_first_line(e)}") from e
 
@@ -277,6 +295,7 @@ class Checkpointer:
         try:
             out = self._mngr.restore(step, args=args)
         except Exception as e:
+            _silence_closed_loop_callbacks()
             raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt or "
                                   f"incomplete): {_first_line(e)}") from e
         state = _decode_keys(out["state"], abstract_state, saved.get("key_impls", {}))

@@ -133,7 +133,7 @@ def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
     k = chunk.reward.shape[0]
     # Bootstrap from the recorded next-observation of step t + m − 1 (window row).
     rows = jnp.arange(k, dtype=jnp.int32)[:, None] + ns.offsets - 1  # [K, N]
-    take = lambda x: jnp.take_along_axis(  # noqa: E731
+    take = lambda x: jnp.take_along_axis(
         x, rows.reshape(rows.shape + (1,) * (x.ndim - 2)), axis=0)
     start = jax.tree.map(lambda x: x[:k], win)
     tr = Transition(t=start.t, port=start.port, action=start.action, reward=ns.returns,
@@ -191,17 +191,21 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     target = optax.incremental_update(params, state.target_params, c.tau)
     replay = per.update(state.replay, sample.indices, per_sample + c.per_eps)
     monitor = state.monitor
+    grad_norm = optax.tree.norm(grads)
     if c.finite_checks:
-        # Q statistics are computed from the online logits: non-finite logits make them NaN.
-        named = {"rewards": batch.reward, "logits": (diag["q_mean"], diag["q_std"]),
-                 "loss": loss, "grads": grads, "params": params}
-        monitor = safety.check_finite(monitor, {k: named[k] for k in CHECKED_TENSORS},
-                                      state.update_step, fold)
+        # Cheap per-update checks: Q statistics are computed from the online logits (NaN logits
+        # make them NaN) and the gradient's global norm is finite iff every gradient is. The
+        # params are checked around each iteration (see `iteration`), not after every update:
+        # a full reduction over all parameters per update cost ~0.4 ms at B = 16384 on an H200.
+        flags = _flags({"rewards": jnp.all(jnp.isfinite(batch.reward)),
+                        "logits": jnp.all(jnp.isfinite(diag["q_mean"]))
+                        & jnp.all(jnp.isfinite(diag["q_std"])),
+                        "loss": jnp.isfinite(loss), "grads": jnp.isfinite(grad_norm)})
+        monitor = safety.monitor_update(monitor, flags, state.update_step, fold)
     new = state.replace(params=params, target_params=target, opt_state=opt_state, replay=replay,
                         moe=moe, monitor=monitor, key=key, update_step=state.update_step + 1)
     metrics = {**{f"loss_{k}": v for k, v in comps.items()}, **diag,
-               "grad_norm": optax.tree.norm(grads), "per_beta": per_beta(learner,
-                                                                            state.update_step),
+               "grad_norm": grad_norm, "per_beta": per_beta(learner, state.update_step),
                "blend_alpha": alpha}
     return new, metrics
 
@@ -216,6 +220,12 @@ def _flags(checked: dict[str, jax.Array]) -> jax.Array:
     return jnp.stack([jnp.asarray(checked.get(n, True)) for n in CHECKED_TENSORS])
 
 
+def _check_params(state: TrainState, fold: jax.Array) -> TrainState:
+    flags = _flags({"params": safety.finite_flags({"params": state.params})[0]})
+    return state.replace(monitor=safety.monitor_update(state.monitor, flags, state.update_step,
+                                                       fold))
+
+
 def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
               fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
     """Collect K steps → insert → M updates (skipped until the replay holds min_replay)."""
@@ -223,9 +233,7 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     if c.finite_checks:
         # Params are checked before they act, so a corrupted parameter is reported as 'params'
         # rather than as the logits it poisons.
-        state = state.replace(monitor=safety.monitor_update(
-            state.monitor, _flags({"params": safety.finite_flags({"p": state.params})[0]}),
-            state.update_step, fold))
+        state = _check_params(state, fold)
     state, chunk, col_stats = collect(learner, state, env_params)
     state, items, valid = to_transitions(learner, state, chunk)
     state = insert(state, items, valid)
@@ -249,6 +257,8 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
         return st, _zeros_like_metrics(learner, st, env_params, fold)
 
     state, up = jax.lax.cond(ready, updates, skip, state)
+    if c.finite_checks:
+        state = _check_params(state, fold)  # catches params an update made non-finite
     n_up = jnp.where(ready, c.updates_per_iter, 0).astype(jnp.float32)
     return state, {"collect": col_stats, "update": up, "n_updates": n_up}
 

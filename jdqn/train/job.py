@@ -29,7 +29,7 @@ import numpy as np
 from jdqn.config import Config, ConfigError
 from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
 from jdqn.env import core as env_core
-from jdqn.errors import CheckpointError, TrainingHalted
+from jdqn.errors import CheckpointError
 from jdqn.evaluate.backtest import BacktestResult, rollout
 from jdqn.evaluate.baselines import run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year

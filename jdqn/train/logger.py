@@ -45,7 +45,9 @@ class RunLogger:
     def __init__(self, out_dir: Path, cfg: LoggingConfig, total_epochs: int, quiet: bool = False):
         self.out_dir = Path(out_dir)
         self.cfg = cfg
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if cfg.jsonl else None
+        # Held open for the run (one line per epoch), closed by close().
+        self._jsonl = (open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115
+                       if cfg.jsonl else None)
         self._tb = None
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
