@@ -99,7 +99,13 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
                          next_port=env_core.portfolio(env_params, env1))
         env2 = env_core.auto_reset(env_params, env1, done, k_reset)
         q_dir = out.q[0]
+        # Atom utilisation of the direction branch: probability mass on the two edge atoms
+        # (saturation against [v_min, v_max]) and the effective number of atoms exp(H).
+        probs = jax.nn.softmax(out.logits[0].astype(jnp.float32), axis=-1)  # [N, 4, Z]
+        entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1)
         stats = {
+            "atom_edge_mass": jnp.mean(probs[..., 0] + probs[..., -1]),
+            "atom_effective": jnp.mean(jnp.exp(entropy)),
             "reward_raw": jnp.mean(reward),
             "reward_norm": jnp.mean(reward_n),
             "q_abs_mean": jnp.abs(jnp.mean(q_dir)),
