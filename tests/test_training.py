@@ -329,3 +329,10 @@ def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     out.mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint found"):
         job_lib.run_job(cfg, out, resume=True, quiet=True)
+
+
+def test_an_undefined_validation_sharpe_ranks_lowest():
+    # A flat policy has an undefined (NaN) Sharpe; it must not block every later improvement.
+    assert job_lib._rank(float("nan")) == -float("inf")
+    assert job_lib._rank(None) == -float("inf")
+    assert job_lib._rank(0.5) > job_lib._rank(float("nan"))

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -268,7 +269,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                                                    *fold.val), p.ppy) for s in range(n_seeds)]
             improved = []
             for s in range(n_seeds):
-                sharpe = float(val[s]["sharpe"])
+                sharpe = _rank(val[s]["sharpe"])
                 best = progress["best_val"][s]
                 better = best is None or sharpe > best
                 improved.append(better)
@@ -298,6 +299,16 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                 logger.advance(tc.epochs_per_fold - 1 - e)
                 break
     return state, progress
+
+
+def _rank(sharpe: Any) -> float:
+    """Validation Sharpe as a ranking key: an undefined Sharpe (NaN — e.g. a policy that never
+    trades has zero variance) ranks lowest instead of poisoning every later comparison."""
+    try:
+        v = float(sharpe)
+    except (TypeError, ValueError):
+        return -math.inf
+    return -math.inf if math.isnan(v) else v
 
 
 def _mean(x: Any) -> Any:
