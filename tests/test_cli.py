@@ -129,3 +129,11 @@ def test_episode_longer_than_the_train_window_is_refused(tmp_path):
     res = run_cli("--config", "configs/quickstart.toml", "--set", "env.episode_length=50000",
                   "--output-dir", str(tmp_path / "o"))
     assert_user_error(res, "env.episode_length = 50000", "shortest train window")
+
+
+def test_default_output_dir_is_a_new_timestamped_folder(tmp_path, monkeypatch):
+    from jdqn.main import resolve_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    out = resolve_output_dir("configs/quickstart.toml", None, resume=False)
+    assert out.parent == Path("runs") / "quickstart" and not out.exists()
