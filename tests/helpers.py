@@ -29,3 +29,30 @@ def tiny_toml(*overrides: str) -> str:
     from jdqn.config import dumps_toml
 
     return dumps_toml(tiny_config(*overrides))
+
+
+def x64():
+    """Context manager enabling float64 (``jax.enable_x64`` on new JAX, experimental on old)."""
+    import jax
+
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover
+
+    return enable_x64()
+
+
+def random_bars(t_len: int, n_feat: int, seed: int = 0, *, start: float = 1600.0,
+                step_sd: float = 1.0, open_sd: float = 0.3, max_wick_ticks: int = 2):
+    """Random OHLC bars on the 0.25 tick grid (exact in float32) plus random features.
+
+    Returns ``(features f32 [T, F], open, high, low, close)``.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    c = start + np.round(np.cumsum(rng.normal(0, step_sd, t_len)) * 4) / 4
+    o = np.r_[c[0], c[:-1]] + np.round(rng.normal(0, open_sd, t_len) * 4) / 4
+    h = np.maximum(o, c) + 0.25 * rng.integers(0, max_wick_ticks + 1, t_len)
+    lo = np.minimum(o, c) - 0.25 * rng.integers(0, max_wick_ticks + 1, t_len)
+    return rng.normal(size=(t_len, n_feat)).astype(np.float32), o, h, lo, c

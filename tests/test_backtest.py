@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_bars
 
 from jdqn import env as E
 from jdqn.config import EnvConfig, EvalConfig, SizingConfig
@@ -18,12 +19,7 @@ NO_SIZING = SizingConfig(conviction=False, variance=False, kelly=False, cvar=Fal
 
 def bars(seed: int = 0):
     """Random bars on the 0.25 tick grid (exact in float32: < 2²⁴ ticks)."""
-    rng = np.random.default_rng(seed)
-    c = 1600 + np.round(np.cumsum(rng.normal(0, 1.0, T)) * 4) / 4
-    o = np.r_[c[0], c[:-1]] + np.round(rng.normal(0, 0.3, T) * 4) / 4
-    h = np.maximum(o, c) + 0.25 * rng.integers(0, 3, T)
-    lo = np.minimum(o, c) - 0.25 * rng.integers(0, 3, T)
-    return rng.normal(size=(T, F)).astype(np.float32), o, h, lo, c
+    return random_bars(T, F, seed)
 
 
 def zero_cost_cfg(initial_equity: float) -> EnvConfig:

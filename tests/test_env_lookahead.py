@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import random_bars
 
 from jdqn import env as E
 from jdqn.config import EnvConfig, SizingConfig
@@ -14,12 +15,7 @@ T, F, W, CUT = 120, 3, 16, 60
 
 
 def bars(seed: int = 0):
-    rng = np.random.default_rng(seed)
-    c = 2000 + np.round(np.cumsum(rng.normal(0, 1.5, T)) * 4) / 4
-    o = np.r_[c[0], c[:-1]] + np.round(rng.normal(0, 0.5, T) * 4) / 4
-    h = np.maximum(o, c) + 0.25 * rng.integers(0, 4, T)
-    lo = np.minimum(o, c) - 0.25 * rng.integers(0, 4, T)
-    return rng.normal(size=(T, F)).astype(np.float32), o, h, lo, c
+    return random_bars(T, F, seed, start=2000.0, step_sd=1.5, open_sd=0.5, max_wick_ticks=3)
 
 
 def perturbed_after(t: int, seed: int = 0):

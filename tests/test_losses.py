@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import x64
 from jax.test_util import check_grads
 
 from jdqn.config import ModelConfig, TrainConfig
@@ -60,12 +61,6 @@ def target(seed_params):
     return jax.tree.map(lambda x: x[1], seed_params)
 
 
-def x64():
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # pragma: no cover
-
-    return enable_x64()
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import x64
 from jax.test_util import check_grads
 
 from jdqn.config import ModelConfig
@@ -64,13 +65,6 @@ def params(seed_params):
     return jax.tree.map(lambda x: x[0], seed_params)
 
 
-def x64():
-    """Context manager enabling float64 (``jax.enable_x64`` on new JAX, experimental on old)."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64  # pragma: no cover
-
-    return enable_x64()
 
 
 def _net(cfg: ModelConfig = SMALL, flow=FLOW) -> BranchingQNetwork:

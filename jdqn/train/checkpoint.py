@@ -148,11 +148,18 @@ def _jsonable(d: dict[str, Any] | None, what: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {what} must be JSON-serialisable: {e}") from None
 
 
+_QUIET_HOOK_INSTALLED = False
+
+
 def _silence_closed_loop_callbacks() -> None:
-    """After a failed restore, tensorstore may still deliver read callbacks to orbax's event loop
-    after orbax closed it; each raises ``RuntimeError('Event loop is closed')`` as an
-    "unraisable" exception whose traceback would bury our one-line error. Drop exactly those;
-    everything else still reaches the previous hook."""
+    """When a restore fails, tensorstore may still deliver read callbacks to orbax's event loop
+    after orbax closed it, during or after the failing call; each raises
+    ``RuntimeError('Event loop is closed')`` as an "unraisable" exception whose traceback would
+    bury our one-line error. Installed once, before any read: drops exactly those and passes
+    everything else to the previous hook."""
+    global _QUIET_HOOK_INSTALLED
+    if _QUIET_HOOK_INSTALLED:
+        return
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -162,6 +169,7 @@ def _silence_closed_loop_callbacks() -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+    _QUIET_HOOK_INSTALLED = True
 
 
 class Checkpointer:
@@ -254,6 +262,7 @@ class Checkpointer:
     def read_layout(self, step: int) -> dict[str, Any]:
         """The stored layout fingerprint of ``step`` (raises CheckpointError if unreadable)."""
         self._check_step(step)
+        _silence_closed_loop_callbacks()
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
             layout = out["layout"]
@@ -261,7 +270,6 @@ class Checkpointer:
                 raise ValueError("no layout fingerprint")
             return layout
         except Exception as e:
-            _silence_closed_loop_callbacks()
             raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt, "
                                   f"incomplete or not a jdqn checkpoint): {_first_line(e)}") from e
 
@@ -295,7 +303,6 @@ class Checkpointer:
         try:
             out = self._mngr.restore(step, args=args)
         except Exception as e:
-            _silence_closed_loop_callbacks()
             raise CheckpointError(f"checkpoint {self._step_dir(step)} is unreadable (corrupt or "
                                   f"incomplete): {_first_line(e)}") from e
         state = _decode_keys(out["state"], abstract_state, saved.get("key_impls", {}))

@@ -26,6 +26,7 @@ So "shrink-and-perturb the params, then hard-sync target = the new params" is
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,14 +44,15 @@ class ResetPolicyError(JdqnError, ValueError):
     """A reset policy that does not fit the state (uncovered leaves, stray rules, bad copies)."""
 
 
-class Rule:
+class Rule(abc.ABC):
     """Base of all reset rules. Rules are pytree *leaves* (not registered as nodes)."""
 
     needs_fresh = False
     needs_key = False
 
+    @abc.abstractmethod
     def apply(self, old: Any, fresh: Any, key: jax.Array | None, where: str) -> Any:
-        raise NotImplementedError
+        """The leaf's new value from its ``old`` value (and ``fresh`` / ``key`` when needed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,11 @@ class CopyFrom(Rule):
 
     source: str | Sequence[str]
     new: bool = True
+
+    def apply(self, old, fresh, key, where):
+        # A copy reads another leaf, which one leaf's rule cannot see: apply_reset resolves
+        # every CopyFrom itself, after the other rules (see the module docstring).
+        raise ResetPolicyError(f"{self!r} at {where} is resolved by apply_reset, not per leaf")
 
     @property
     def source_path(self) -> Path:
