@@ -332,3 +332,41 @@ def test_default_param_count_matches_docs(capsys):
     assert count_params(ModelConfig(), 128, (5, 6, 7)) == n + 3 * 2 * ModelConfig().head_hidden
     doc = (Path(__file__).resolve().parents[1] / "docs" / "model.md").read_text()
     assert f"{DEFAULT_PARAM_COUNT:,}" in doc
+
+
+@pytest.mark.parametrize("flow", [FLOW, ()])
+def test_fused_head_equals_five_separate_dense_streams(flow):
+    """The head runs its five first layers as one matmul and adds the conditioning rows as small
+    products; this is the textbook definition (one Dense→ReLU→Dense per stream on concatenated
+    inputs) written out with the same parameters."""
+    from jdqn.networks.heads import BRANCH_NAMES, DuelingBranchingHead, dueling_logits
+
+    head = DuelingBranchingHead(SMALL.branch_sizes, SMALL.n_atoms, SMALL.head_hidden,
+                                SMALL.v_min, SMALL.v_max, flow)
+    k = jax.random.split(jax.random.key(11), 3)
+    with x64():
+        h = jax.random.normal(k[0], (9, SMALL.width), jnp.float64)
+        obs = jax.random.normal(k[1], (9, 6), jnp.float64)
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, obs))
+        got = head.apply(params, h, obs)
+        p = params["params"]
+        support = make_support(SMALL.v_min, SMALL.v_max, SMALL.n_atoms, jnp.float64)
+
+        def stream(x, name):
+            hid = jax.nn.relu(x @ p[f"{name}_fc"]["kernel"] + p[f"{name}_fc"]["bias"])
+            return hid @ p[f"{name}_out"]["kernel"] + p[f"{name}_out"]["bias"]
+
+        value = stream(h, "value")
+
+        def branch(x, d):
+            adv = stream(x, BRANCH_NAMES[d]).reshape(9, SMALL.branch_sizes[d], SMALL.n_atoms)
+            return dueling_logits(value, adv)
+
+        direction = branch(h, 0)
+        q_dir = jnp.sum(jax.nn.softmax(direction, -1) * support, -1) / max(
+            abs(SMALL.v_min), abs(SMALL.v_max))
+        h_flow = jnp.concatenate([h, obs[:, np.asarray(flow)]], -1) if flow else h
+        want = (direction, branch(jnp.concatenate([h, q_dir], -1), 1), branch(h_flow, 2),
+                branch(h_flow, 3))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)

@@ -66,10 +66,55 @@ def q_gap(q: Array) -> Array:
     return top2[..., 0] - top2[..., 1]
 
 
+class DenseParams(nn.Module):
+    """The ``kernel [n_in, n_out]`` and ``bias [n_out]`` of a dense layer, created exactly as
+    ``nn.Dense`` creates them (same names, initialisers and draw order) but not applied: the
+    head below applies several of them as one matmul."""
+
+    n_in: int
+    n_out: int
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.n_in, self.n_out),
+                            jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.n_out,), jnp.float32)
+        return kernel, bias
+
+
+def _matmul(x: Array, w: Array, matmul_dtype: str) -> Array:
+    """``x @ w`` under the precision policy of :func:`jdqn.networks.trunk.dense`."""
+    if matmul_dtype == "bfloat16":
+        return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+    return jnp.dot(x, w.astype(x.dtype))
+
+
+def _small_matmul(x: Array, w: Array) -> Array:
+    """``x [B, k] @ w [k, n]`` for a handful of inputs (k ≤ 8) as a sum of broadcasts, which XLA
+    fuses into its consumer instead of launching a matmul with a tiny contraction."""
+    if x.shape[-1] > 8:
+        return jnp.dot(x, w.astype(x.dtype))
+    w = w.astype(x.dtype)
+    out = x[:, 0:1] * w[0]
+    for k in range(1, x.shape[-1]):
+        out = out + x[:, k:k + 1] * w[k]
+    return out
+
+
 class DuelingBranchingHead(nn.Module):
     """Dueling, branching, categorical head: ``(h [B, H], obs [B, W])`` → per-branch logits
     ``tuple of [B, A_d, Z]``. One shared value stream over atoms, one advantage stream per
-    branch; each stream is ``Dense(hidden) → ReLU → Dense(out)``."""
+    branch; each stream is ``Dense(hidden) → ReLU → Dense(out)``.
+
+    Parameters are those of five pairs of ``nn.Dense`` layers (``<stream>_fc``, ``<stream>_out``;
+    the magnitude, order-type and urgency ``_fc`` kernels have extra input rows for their
+    conditioning). The computation is arranged for the accelerator: the five first layers read
+    the same trunk feature ``h``, so they run as **one** ``[H, 5·hidden]`` matmul (and one in
+    each direction of the backward pass, instead of five plus a five-way sum of cotangents);
+    the conditioning rows are added on top as small products, so ``[h, q_dir]`` and
+    ``[h, flow]`` are never concatenated. Mathematically this is the same network.
+    """
 
     branch_sizes: tuple[int, ...]
     n_atoms: int
@@ -79,32 +124,48 @@ class DuelingBranchingHead(nn.Module):
     flow_idx: tuple[int, ...] = ()
     matmul_dtype: str = "float32"
 
-    def _stream(self, x: Array, out: int, name: str) -> Array:
-        hid = nn.relu(dense(x, self.hidden, self.matmul_dtype, f"{name}_fc"))
-        return dense(hid, out, self.matmul_dtype, f"{name}_out")
-
     @nn.compact
     def __call__(self, h: Array, obs: Array) -> tuple[Array, ...]:
-        b, z = h.shape[0], self.n_atoms
+        b, z, hid, md = h.shape[0], self.n_atoms, self.hidden, self.matmul_dtype
+        width, n_flow = h.shape[-1], len(self.flow_idx)
         support = make_support(self.v_min, self.v_max, z, dtype=h.dtype)
-        value = self._stream(h, z, "value")  # [B, Z]
+        extra_in = {"value": 0, BRANCH_NAMES[DIRECTION]: 0,
+                    BRANCH_NAMES[MAGNITUDE]: self.branch_sizes[DIRECTION],
+                    BRANCH_NAMES[ORDER_TYPE]: n_flow, BRANCH_NAMES[URGENCY]: n_flow}
+        out_size = {"value": z, **{BRANCH_NAMES[d]: self.branch_sizes[d] * z
+                                   for d in range(len(self.branch_sizes))}}
+        streams = tuple(extra_in)
+        fc = {s: DenseParams(width + extra_in[s], hid, name=f"{s}_fc")() for s in streams}
+        out = {s: DenseParams(hid, out_size[s], name=f"{s}_out")() for s in streams}
 
-        def branch(x: Array, d: int) -> Array:
-            adv = self._stream(x, self.branch_sizes[d] * z, BRANCH_NAMES[d])
-            return dueling_logits(value, adv.reshape(b, self.branch_sizes[d], z))
+        # First layers of all five streams on h: one matmul.
+        w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
+        b1 = jnp.concatenate([fc[s][1] for s in streams])
+        pre = _matmul(h, w1, md) + b1.astype(h.dtype)
+        pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
-        direction = branch(h, DIRECTION)
+        def second(s: str, x: Array) -> Array:
+            return _matmul(nn.relu(x), out[s][0], md) + out[s][1].astype(h.dtype)
+
+        def logits(d: int, x: Array) -> Array:
+            adv = second(BRANCH_NAMES[d], x).reshape(b, self.branch_sizes[d], z)
+            return dueling_logits(value, adv)
+
+        value = second("value", pre["value"])  # [B, Z]
+        direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
         q_scale = max(abs(self.v_min), abs(self.v_max))
         q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
-        magnitude = branch(jnp.concatenate([h, q_dir.astype(h.dtype)], axis=-1), MAGNITUDE)
-        if self.flow_idx:
-            flow = obs[:, np.asarray(self.flow_idx)].astype(h.dtype)  # [B, F_o]
-            h_flow = jnp.concatenate([h, flow], axis=-1)
-        else:
-            h_flow = h
-        order_type = branch(h_flow, ORDER_TYPE)
-        urgency = branch(h_flow, URGENCY)
-        return direction, magnitude, order_type, urgency
+        mag = BRANCH_NAMES[MAGNITUDE]
+        magnitude = logits(MAGNITUDE, pre[mag] + _small_matmul(q_dir.astype(h.dtype),
+                                                               fc[mag][0][width:]))
+        rest = []
+        for d in (ORDER_TYPE, URGENCY):
+            x = pre[BRANCH_NAMES[d]]
+            if n_flow:
+                flow = obs[:, np.asarray(self.flow_idx)].astype(h.dtype)  # [B, F_o]
+                x = x + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
+            rest.append(logits(d, x))
+        return (direction, magnitude, *rest)
 
 
 def cosine_embedding(taus: Array, n_basis: int) -> Array:
