@@ -200,6 +200,10 @@ class ModelConfig:
     iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of matmuls
     fuse_next_obs: bool = True  # loss: one online forward over [s; s′] (fewer kernels) vs two
+    # Kernels (SPEC §8): "pallas" = the fused Pallas kernels (jdqn/pallas; on CPU they run in
+    # Pallas' interpreter, for tests), "xla" = the plain-JAX reference, "auto" = pallas on GPU,
+    # xla elsewhere.
+    impl: Literal["auto", "pallas", "xla"] = "auto"
 
 
 # --------------------------------------------------------------------------------------------

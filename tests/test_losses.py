@@ -467,3 +467,85 @@ def test_branching_td_loss_is_mean_over_branches_of_c51_at_alpha_one():
         want = categorical_double_q_loss(logits[d], action[d], jnp.float32(0.5),
                                          jnp.float32(0.9), tlogits[d], sel[d], support)
         np.testing.assert_allclose(out["td"][d], want, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# batch forms (what total_loss runs) against the per-sample definitions
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["random", "far_outside", "done", "on_atoms"])
+def test_uniform_batch_projection_matches_per_sample_projection(case):
+    from jdqn.losses.batch import project_uniform
+
+    rng = np.random.default_rng(7)
+    b, d, z, v_min, v_max = 33, 4, 51, -25.0, 25.0
+    support = np.linspace(v_min, v_max, z)
+    r = rng.normal(0, 8.0, b)
+    disc = rng.uniform(0.0, 1.0, b)
+    if case == "far_outside":
+        r = rng.choice([-1.0, 1.0], b) * rng.uniform(20.0, 1e4, b)
+    elif case == "done":
+        disc[:] = 0.0
+    elif case == "on_atoms":
+        r, disc = 1.0 * rng.integers(-10, 10, b), np.ones(b)
+    probs = rng.dirichlet(np.ones(z) * 0.3, (b, d))
+    tz = r[:, None] + disc[:, None] * support
+    with x64():
+        got = project_uniform(jnp.asarray(tz), jnp.asarray(probs), v_min, v_max)
+        want = jax.vmap(jax.vmap(categorical_l2_project, in_axes=(None, 0, None)),
+                        in_axes=(0, 0, None))(jnp.asarray(tz), jnp.asarray(probs),
+                                              jnp.asarray(support))
+        np.testing.assert_allclose(got, want, atol=1e-12)
+    got32 = project_uniform(jnp.asarray(tz, jnp.float32), jnp.asarray(probs, jnp.float32),
+                            v_min, v_max)
+    np.testing.assert_allclose(got32, want, atol=2e-6)
+    np.testing.assert_allclose(np.sum(got32, -1), 1.0, atol=1e-5)
+
+
+def test_batch_td_and_iqn_losses_match_vmapped_per_sample_losses():
+    from jdqn.losses.batch import branching_iqn_loss_batch, branching_td_loss_batch
+    from jdqn.losses.quantile import branching_iqn_loss
+
+    b, z, n, sizes, v_min, v_max = 17, 11, 5, (4, 3, 3, 3), -5.0, 5.0
+    k = jax.random.split(jax.random.key(3), 8)
+    normal = jax.random.normal
+    with x64():
+        logits = tuple(normal(jax.random.fold_in(k[0], d), (b, a, z), jnp.float64)
+                       for d, a in enumerate(sizes))
+        tlogits = tuple(normal(jax.random.fold_in(k[1], d), (b, a, z), jnp.float64)
+                        for d, a in enumerate(sizes))
+        sel = tuple(normal(jax.random.fold_in(k[2], d), (b, a), jnp.float64)
+                    for d, a in enumerate(sizes))
+        sel = (sel[0].at[0].set(1.0),) + sel[1:]  # a tie: argmax picks the first, like jnp
+        action = jnp.stack([jax.random.randint(jax.random.fold_in(k[3], d), (b,), 0, a)
+                            for d, a in enumerate(sizes)], 1)
+        reward = normal(k[4], (b,), jnp.float64) * 4
+        discount = jnp.where(jnp.arange(b) % 5 == 0, 0.0, 0.9)
+        support = jnp.linspace(v_min, v_max, z)
+        for alpha in (0.0, 0.3, 1.0):
+            got = branching_td_loss_batch(logits, action, reward, discount, tlogits, sel,
+                                          v_min, v_max, jnp.float64(alpha))
+            want = jax.vmap(branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
+                logits, action, reward, discount, tlogits, sel, support, jnp.float64(alpha))
+            for key in ("td", "sq", "ce", "target_mean"):
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-12)
+        # gradients w.r.t. the online logits agree too
+        g_batch = jax.grad(lambda lg: jnp.sum(branching_td_loss_batch(
+            lg, action, reward, discount, tlogits, sel, v_min, v_max, jnp.float64(0.5))["td"]))(
+            logits)
+        g_ref = jax.grad(lambda lg: jnp.sum(jax.vmap(
+            branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
+            lg, action, reward, discount, tlogits, sel, support, jnp.float64(0.5))["td"]))(logits)
+        for gb, gr in zip(g_batch, g_ref, strict=True):
+            np.testing.assert_allclose(gb, gr, rtol=1e-10, atol=1e-12)
+        quant = tuple(normal(jax.random.fold_in(k[5], d), (b, a, n), jnp.float64)
+                      for d, a in enumerate(sizes))
+        tquant = tuple(normal(jax.random.fold_in(k[6], d), (b, a, n + 2), jnp.float64) * 9
+                       for d, a in enumerate(sizes))
+        taus = jax.random.uniform(k[7], (b, n), jnp.float64)
+        got = branching_iqn_loss_batch(quant, taus, action, reward, discount, tquant, sel,
+                                       v_min, v_max)
+        want = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))(
+            quant, taus, action, reward, discount, tquant, sel, v_min, v_max)
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

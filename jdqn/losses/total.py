@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jdqn.config import TrainConfig
-from jdqn.losses.categorical import branching_td_loss
+from jdqn.losses.batch import branching_iqn_loss_batch, branching_td_loss_batch
 from jdqn.losses.moe import (
     MoEState,
     entropy,
@@ -31,8 +31,7 @@ from jdqn.losses.moe import (
     load_balance_loss,
     update_moe_state,
 )
-from jdqn.losses.quantile import branching_iqn_loss
-from jdqn.networks.heads import DIRECTION, make_support, q_gap
+from jdqn.networks.heads import DIRECTION, q_gap
 from jdqn.networks.model import BranchingQNetwork, NetOutput
 
 Array = jax.Array
@@ -101,10 +100,10 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     online_next = jax.lax.stop_gradient(online_next)
     target = jax.lax.stop_gradient(net.apply(target_params, batch.next_obs, taus_prime))
 
-    support = make_support(cfg.v_min, cfg.v_max, cfg.n_atoms, dtype=online.logits[0].dtype)
-    td = jax.vmap(branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
-        online.logits, batch.action, batch.reward, batch.discount, target.logits,
-        online_next.q, support, jnp.asarray(alpha, support.dtype))  # dict of [B, D]
+    td = branching_td_loss_batch(online.logits, batch.action, batch.reward, batch.discount,
+                                 target.logits, online_next.q, cfg.v_min, cfg.v_max,
+                                 jnp.asarray(alpha, online.logits[0].dtype),
+                                 impl=cfg.impl)  # dict of [B, D]
     w = batch.weight
     td_loss = jnp.mean(w * jnp.mean(td["td"], axis=1))
     components = {
@@ -115,9 +114,9 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
 
     iqn_loss = jnp.zeros((), td_loss.dtype)
     if cfg.iqn:
-        iqn = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))(
-            online.quantiles, taus, batch.action, batch.reward, batch.discount,
-            target.quantiles, online_next.q, cfg.v_min, cfg.v_max)  # [B, D]
+        iqn = branching_iqn_loss_batch(online.quantiles, taus, batch.action, batch.reward,
+                                       batch.discount, target.quantiles, online_next.q,
+                                       cfg.v_min, cfg.v_max)  # [B, D]
         iqn_loss = jnp.mean(w * jnp.mean(iqn, axis=1))
     components["iqn"] = iqn_loss
 

@@ -1,0 +1,80 @@
+"""Pallas kernel: categorical L2 projection of D distributions onto a uniform support.
+
+The C51 target of every branch is the projection of the target net's distribution at the
+double-Q action, placed at ``Tz = clip(r + γⁿ(1−done)·z)``. The oracle is
+:func:`jdqn.losses.batch.project_uniform` (plain JAX):
+
+    m[b, d, i] = Σ_j p[b, d, j] · max(0, 1 − |x[b, j] − i|),   x = (Tz − v_min) / Δz.
+
+XLA compiles that ``[B, D, Z, Z]`` multiply-reduce into a reduction fusion that took 0.23–0.58 ms
+at B = 16384 on an H200 (one update is ~5 ms), and a kernel that materialises the ``[Z, Z]``
+hat weights per sample and reduces them across lanes was no better (0.36 ms). This kernel never
+reduces across lanes: a program owns a block of rows and keeps the ``D`` projected
+distributions ``[rows, Zp]`` as accumulators; it walks the source atoms ``j`` in order and adds
+``p[:, d, j] · max(0, 1 − |x[:, j] − i|)`` to every target atom ``i`` at once. The summation
+order is fixed (j = 0, 1, …), so the result is bitwise reproducible run to run.
+
+Layout: the atom axis is padded to a power of two ``Zp`` (Triton's block rule); padded source
+atoms get probability 0 and a location far outside the support, so they contribute nothing;
+the padded target atoms are sliced off. The D branches are laid out side by side in one
+``[B, D·Zp]`` row, which is a free reshape of ``[B, D, Zp]``.
+
+The projected target is a constant of the loss (it sits under ``stop_gradient``), so the kernel
+needs no VJP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+ROWS_PER_PROGRAM = 32  # samples per program: D accumulators of [32, Zp] live in registers
+_FAR = -1.0e4  # location of the padded source atoms (in atom units): weight 0 everywhere
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _kernel(x_ref, p_ref, o_ref, *, n_branches: int, z: int, zp: int):
+    i = jax.lax.broadcasted_iota(jnp.int32, (1, zp), 1).astype(jnp.float32)  # target atoms
+    acc = [None] * n_branches
+    for j in range(z):  # source atoms, in order
+        w = jnp.maximum(0.0, 1.0 - jnp.abs(x_ref[:, pl.ds(j, 1)] - i))  # [R, Zp]
+        for d in range(n_branches):
+            term = p_ref[:, pl.ds(d * zp + j, 1)] * w
+            acc[d] = term if acc[d] is None else acc[d] + term
+    for d in range(n_branches):
+        o_ref[:, pl.ds(d * zp, zp)] = acc[d]
+
+
+@functools.partial(jax.jit, static_argnames=("v_min", "v_max", "interpret"))
+def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
+                           interpret: bool = False) -> Array:
+    """Same contract as :func:`jdqn.losses.batch.project_uniform`: tz [B, Z], probs [B, D, Z]
+    (float32) → [B, D, Z]. ``interpret=True`` runs the kernel in Pallas' interpreter (CPU)."""
+    b, n_branches, z = probs.shape
+    zp = _next_pow2(z)
+    rows = ROWS_PER_PROGRAM
+    bp = pl.cdiv(b, rows) * rows
+    dz = (v_max - v_min) / (z - 1)
+    x = (jnp.clip(tz.astype(jnp.float32), v_min, v_max) - v_min) / jnp.float32(dz)
+    x = jnp.pad(x, ((0, bp - b), (0, zp - z)), constant_values=_FAR)
+    p = jnp.pad(probs.astype(jnp.float32), ((0, bp - b), (0, 0), (0, zp - z)))
+    p = p.reshape(bp, n_branches * zp)
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_branches=n_branches, z=z, zp=zp),
+        out_shape=jax.ShapeDtypeStruct((bp, n_branches * zp), jnp.float32),
+        grid=(bp // rows,),
+        in_specs=[pl.BlockSpec((rows, zp), lambda r: (r, 0)),
+                  pl.BlockSpec((rows, n_branches * zp), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((rows, n_branches * zp), lambda r: (r, 0)),
+        interpret=interpret,
+        name="c51_projection",
+    )(x, p)
+    return out.reshape(bp, n_branches, zp)[:b, :, :z].astype(probs.dtype)

@@ -1,0 +1,113 @@
+"""Pallas kernels against their plain-JAX oracles, in Pallas' interpreter (CPU).
+
+GPU parity, bitwise determinism and speed at production shapes: ``bench/kernels.py``
+(results in ``bench/results/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import x64
+
+from jdqn.config import ConfigError, ModelConfig, TrainConfig, config_from_dict
+from jdqn.losses import init_moe_state, total_loss
+from jdqn.losses.batch import project_uniform
+from jdqn.networks import BranchingQNetwork, init_params
+from jdqn.pallas import project_uniform as project_dispatch
+from jdqn.pallas import use_pallas
+from jdqn.pallas.projection import ROWS_PER_PROGRAM, project_uniform_pallas
+
+
+def _inputs(b, d, z, v_min, v_max, case, seed=0):
+    rng = np.random.default_rng(seed)
+    support = np.linspace(v_min, v_max, z)
+    r = rng.normal(0, (v_max - v_min) / 6, b)
+    disc = rng.uniform(0.0, 1.0, b)
+    if case == "far_outside":
+        r = rng.choice([-1.0, 1.0], b) * rng.uniform(v_max, 1e4, b)
+    elif case == "done":
+        disc[:] = 0.0
+    elif case == "on_atoms":
+        dz = (v_max - v_min) / (z - 1)
+        r, disc = dz * rng.integers(-(z // 2), z // 2, b), np.ones(b)
+    probs = rng.dirichlet(np.ones(z) * 0.3, (b, d))
+    return np.float32(r[:, None] + disc[:, None] * support), np.float32(probs)
+
+
+@pytest.mark.parametrize("b,d,z", [(1, 1, 2), (ROWS_PER_PROGRAM, 4, 51), (45, 4, 51),
+                                   (70, 3, 64), (9, 2, 21), (33, 4, 101)])
+@pytest.mark.parametrize("case", ["random", "far_outside", "done", "on_atoms"])
+def test_projection_kernel_matches_reference(b, d, z, case):
+    v_min, v_max = -25.0, 10.0
+    tz, probs = _inputs(b, d, z, v_min, v_max, case, seed=b * 7 + z)
+    got = np.asarray(project_uniform_pallas(jnp.asarray(tz), jnp.asarray(probs), v_min=v_min,
+                                            v_max=v_max, interpret=True))
+    assert got.shape == (b, d, z) and got.dtype == np.float32
+    with x64():  # the oracle in float64 on the same (float32) inputs
+        want = np.asarray(project_uniform(jnp.asarray(tz, jnp.float64),
+                                          jnp.asarray(probs, jnp.float64), v_min, v_max))
+    np.testing.assert_allclose(got, want, atol=z * 1.2e-7)  # float32 sums of up to Z terms
+    np.testing.assert_allclose(got.sum(-1), probs.sum(-1), atol=2e-5)  # mass is conserved
+    assert np.all(got >= 0)
+
+
+def test_projection_kernel_is_bitwise_reproducible_and_row_independent():
+    tz, probs = _inputs(100, 4, 51, -25.0, 25.0, "random", seed=3)
+    f = functools.partial(project_uniform_pallas, v_min=-25.0, v_max=25.0, interpret=True)
+    a = np.asarray(f(jnp.asarray(tz), jnp.asarray(probs)))
+    b = np.asarray(f(jnp.asarray(tz), jnp.asarray(probs)))
+    assert np.array_equal(a, b)
+    # A row's result does not depend on which block it lands in or on its neighbours.
+    part = np.asarray(f(jnp.asarray(tz[37:41]), jnp.asarray(probs[37:41])))
+    assert np.array_equal(part, a[37:41])
+
+
+def test_impl_switch_resolves_per_backend_and_refuses_unknown_values():
+    assert use_pallas("pallas") and not use_pallas("xla")
+    assert use_pallas("auto") == (jax.default_backend() == "gpu")
+    with pytest.raises(ValueError, match="model.impl"):
+        use_pallas("triton")
+    with pytest.raises(ConfigError, match="model.impl"):
+        config_from_dict({"model": {"impl": "cuda"}})
+    tz, probs = _inputs(5, 4, 11, -1.0, 1.0, "random")
+    a = project_dispatch(jnp.asarray(tz), jnp.asarray(probs), -1.0, 1.0, "pallas")
+    b = project_dispatch(jnp.asarray(tz), jnp.asarray(probs), -1.0, 1.0, "xla")
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_total_loss_and_gradients_agree_between_pallas_and_xla():
+    cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=21, v_min=-5.0, v_max=5.0, iqn=True, iqn_embed=8,
+                      iqn_n=4, iqn_n_prime=4)
+    train = TrainConfig()
+    from jdqn.losses import Batch
+
+    k = jax.random.split(jax.random.key(0), 8)
+    b = 13
+    batch = Batch(obs=jax.random.normal(k[0], (b, 24)), next_obs=jax.random.normal(k[1], (b, 24)),
+                  action=jnp.stack([jax.random.randint(jax.random.fold_in(k[2], d), (b,), 0, a)
+                                    for d, a in enumerate(cfg.branch_sizes)], 1),
+                  reward=jax.random.normal(k[3], (b,)) * 3,
+                  discount=jnp.where(jnp.arange(b) % 4 == 0, 0.0, 0.95),
+                  weight=jax.random.uniform(k[4], (b,), minval=0.5, maxval=1.0))
+    results = {}
+    for impl in ("xla", "pallas"):
+        net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl), (2, 5))
+        params = init_params(net, k[5], 24)
+        target = init_params(net, k[6], 24)
+        fn = jax.jit(jax.value_and_grad(functools.partial(total_loss, net=net, train_cfg=train),
+                                        has_aux=True))
+        (loss, (_, per_sample, _, _)), grads = fn(params, target, batch, k[7], init_moe_state(3),
+                                                  0.7)
+        results[impl] = (loss, per_sample, grads)
+    np.testing.assert_allclose(results["pallas"][0], results["xla"][0], rtol=1e-5)
+    np.testing.assert_allclose(results["pallas"][1], results["xla"][1], rtol=1e-5, atol=1e-6)
+    for g_p, g_x in zip(jax.tree.leaves(results["pallas"][2]), jax.tree.leaves(results["xla"][2]),
+                        strict=True):
+        np.testing.assert_allclose(g_p, g_x, rtol=1e-4, atol=1e-6)
