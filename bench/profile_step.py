@@ -1,0 +1,192 @@
+"""Where the time of one gradient update goes: a device-kernel breakdown of ``train_step``.
+
+Runs the same ``lax.scan`` over ``train_step`` that ``bench/train.py`` times, under
+``jax.profiler.trace`` (Perfetto output), then aggregates the device events by kernel name and by
+kind (GEMM, reduction, elementwise loop fusion, copy, other). Prints one JSON object: wall time
+per update, summed kernel time per update, per-kind totals and the top kernels.
+
+    python bench/profile_step.py --batch 16384                 # GPU, default model
+    python bench/profile_step.py --quick                       # CPU smoke run (host events only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import train as train_bench
+
+from jdqn.config import apply_overrides, config_from_dict, load_config, to_dict
+from jdqn.train import epoch as epoch_lib
+
+REPO = Path(__file__).resolve().parents[1]
+
+_KINDS = (("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "wgmma", "dot")),
+          ("reduce", ("reduce", "reduction")),
+          ("copy", ("memcpy", "memset", "copy", "transpose", "concatenate", "dynamic_update")),
+          ("scatter/gather", ("scatter", "gather", "sort", "searchsorted")),
+          ("fusion", ("fusion", "loop_", "input_")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in _KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def _load_trace(log_dir: str) -> dict:
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "*.json.gz"), recursive=True))
+    if not files:
+        raise SystemExit(f"no trace written under {log_dir}")
+    with gzip.open(files[-1], "rt") as fh:
+        return json.load(fh)
+
+
+def _scope(op_name: str) -> str:
+    """A coarse place in the program from an HLO op_name (``jit(updates)/while/body/...``)."""
+    tail = op_name.split("while/body/")[-1]
+    bwd = "bwd " if "transpose(" in tail else ""
+    for key, label in (("/iqn/", "iqn"), ("/moe/", "moe"), ("/grn_", "grn"),
+                       ("/selection/", "selection"), ("/proj/", "proj"), ("/c51/", "c51 heads"),
+                       ("BranchingQNetwork", "net other"), ("optax", "optimizer"),
+                       ("per.", "replay"), ("replay", "replay")):
+        if key in tail:
+            return bwd + label
+    return bwd + tail.split("/")[-1][:24] if tail else "?"
+
+
+def hlo_op_names(hlo_dir: str) -> dict:
+    """Kernel name → HLO op_name metadata, from the dumped optimised HLO of ``jit(updates)``."""
+    import re
+
+    files = sorted(glob.glob(os.path.join(hlo_dir, "*jit_updates*after_optimizations.txt")))
+    if not files:
+        return {}
+    names = {}
+    pat = re.compile(r'^\s+%?([\w.\-]+) = .*?op_name="([^"]+)"', re.MULTILINE)
+    for m in pat.finditer(Path(files[-1]).read_text()):
+        names[m.group(1).replace(".", "_").replace("-", "_")] = m.group(2)
+    return names
+
+
+def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "") -> dict:
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname = {e["pid"]: e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    per_proc: dict = collections.Counter()
+    dev_events = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        proc = pname.get(e.get("pid"), str(e.get("pid")))
+        per_proc[proc] += float(e.get("dur", 0.0))
+        if "/device:" in proc and "host" not in proc.lower():
+            dev_events.append(e)
+    by_name: dict = collections.defaultdict(lambda: [0, 0.0, ""])
+    for e in dev_events:
+        rec = by_name[e["name"]]
+        rec[0] += 1
+        rec[1] += float(e.get("dur", 0.0))
+        args = e.get("args", {})
+        rec[2] = rec[2] or str(args.get("hlo_op", args.get("long_name", "")))[:160]
+    kinds: dict = collections.Counter()
+    for name, (_, us, _) in by_name.items():
+        kinds[kind_of(name)] += us
+    total = sum(us for _, us, _ in by_name.values())
+    ops = hlo_op_names(hlo_dir) if hlo_dir else {}
+    scopes: dict = collections.Counter()
+    for name, rec in by_name.items():
+        op = ops.get(name.replace(".", "_").replace("-", "_"), "")
+        rec[2] = op or rec[2]
+        scopes[_scope(op) if op else kind_of(name) + " (unattributed)"] += rec[1]
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "processes_us": {k: round(v, 1) for k, v in per_proc.most_common(12)},
+        "device_kernels_per_update": round(sum(c for c, _, _ in by_name.values()) / n_updates, 1),
+        "device_us_per_update": round(total / n_updates, 1),
+        "kinds_us_per_update": {k: round(v / n_updates, 1) for k, v in kinds.most_common()},
+        "scopes_us_per_update": {k: round(v / n_updates, 1) for k, v in scopes.most_common()},
+        "top": [{"name": n[:90], "kind": kind_of(n), "calls_per_update": round(c / n_updates, 2),
+                 "us_per_update": round(us / n_updates, 1),
+                 "op": op.split("while/body/")[-1][:150]}
+                for n, (c, us, op) in rows],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(REPO / "configs" / "gpu.toml"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batch", type=int, default=16384)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--updates", type=int, default=20)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--trace-dir", default="")
+    ap.add_argument("--hlo-dir", default="", help="XLA dump folder (--xla_dump_to) to attribute "
+                    "kernels to the model's scopes")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    args = ap.parse_args()
+    sets = [f"model.matmul_dtype={args.dtype}", "data.cache_dir=''",
+            "data.synthetic.n_bars=200000"]
+    if args.quick:
+        sets += ["env.n_envs=256", "env.episode_length=256", "train.replay_capacity=100000",
+                 "train.min_replay=2000", "train.collect_steps=8"]
+    cfg = load_config(args.config, sets + args.sets)
+    cfg = config_from_dict(apply_overrides(to_dict(cfg), [f"train.batch_size={args.batch}"]))
+    p, env_params, state = train_bench.build(cfg)
+    learner = p.learner
+    fold = jnp.asarray(0, jnp.int32)
+
+    @jax.jit
+    def fill(st):
+        def body(s, _):
+            s, chunk, _ = epoch_lib.collect(learner, s, env_params)
+            s, items, valid = epoch_lib.to_transitions(learner, s, chunk)
+            return epoch_lib.insert(s, items, valid), None
+
+        return jax.lax.scan(body, st, None, length=4)[0]
+
+    one = fill(jax.tree.map(lambda x: x[0], state))
+
+    @jax.jit
+    def updates(st):
+        def body(s, _):
+            s, m = epoch_lib.train_step(learner, s, env_params, fold)
+            return s, m["loss_total"]
+
+        return jax.lax.scan(body, st, None, length=args.updates)
+
+    jax.block_until_ready(updates(one))
+    t = time.perf_counter()
+    jax.block_until_ready(updates(one))
+    wall = (time.perf_counter() - t) / args.updates
+    log_dir = args.trace_dir or tempfile.mkdtemp(prefix="jdqn_trace_")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(updates(one))
+    out = {"bench": "profile_step", "batch": args.batch, "matmul_dtype": args.dtype,
+           "sets": args.sets, "wall_us_per_update": round(1e6 * wall, 1),
+           **summarise(_load_trace(log_dir), args.updates, args.top, args.hlo_dir)}
+    dev = jax.devices()[0]
+    out.update(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
+               date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
