@@ -546,6 +546,21 @@ def test_batch_td_and_iqn_losses_match_vmapped_per_sample_losses():
         taus = jax.random.uniform(k[7], (b, n), jnp.float64)
         got = branching_iqn_loss_batch(quant, taus, action, reward, discount, tquant, sel,
                                        v_min, v_max)
-        want = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))(
-            quant, taus, action, reward, discount, tquant, sel, v_min, v_max)
+        iqn_ref = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))
+        want = iqn_ref(quant, taus, action, reward, discount, tquant, sel, v_min, v_max)
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+        g_batch = jax.grad(lambda q: jnp.sum(branching_iqn_loss_batch(
+            q, taus, action, reward, discount, tquant, sel, v_min, v_max)))(quant)
+        g_ref = jax.grad(lambda q: jnp.sum(iqn_ref(
+            q, taus, action, reward, discount, tquant, sel, v_min, v_max)))(quant)
+        for gb, gr in zip(g_batch, g_ref, strict=True):
+            assert np.any(np.asarray(gr) != 0)
+            np.testing.assert_allclose(gb, gr, rtol=1e-10, atol=1e-12)
+
+
+def test_select_masks_instead_of_multiplying():
+    from jdqn.losses.batch import select
+
+    x = jnp.array([[[1.0, 2.0], [jnp.inf, 3.0]], [[jnp.nan, 0.0], [4.0, 5.0]]])  # [B=2, A=2, 2]
+    got = select(x, jnp.array([0, 1]))
+    np.testing.assert_array_equal(got, [[1.0, 2.0], [4.0, 5.0]])  # no 0·inf, no NaN leak

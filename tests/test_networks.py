@@ -334,39 +334,64 @@ def test_default_param_count_matches_docs(capsys):
     assert f"{DEFAULT_PARAM_COUNT:,}" in doc
 
 
-@pytest.mark.parametrize("flow", [FLOW, ()])
+def _reference_head(p, h, obs, flow):
+    """The textbook head: one Dense→ReLU→Dense per stream on concatenated inputs."""
+    from jdqn.networks.heads import BRANCH_NAMES, dueling_logits
+
+    b = h.shape[0]
+    support = make_support(SMALL.v_min, SMALL.v_max, SMALL.n_atoms, h.dtype)
+
+    def stream(x, name):
+        hid = jax.nn.relu(x @ p[f"{name}_fc"]["kernel"] + p[f"{name}_fc"]["bias"])
+        return hid @ p[f"{name}_out"]["kernel"] + p[f"{name}_out"]["bias"]
+
+    value = stream(h, "value")
+
+    def branch(x, d):
+        adv = stream(x, BRANCH_NAMES[d]).reshape(b, SMALL.branch_sizes[d], SMALL.n_atoms)
+        return dueling_logits(value, adv)
+
+    direction = branch(h, 0)
+    q_dir = jnp.sum(jax.nn.softmax(direction, -1) * support, -1) / max(
+        abs(SMALL.v_min), abs(SMALL.v_max))
+    h_flow = jnp.concatenate([h, obs[:, np.asarray(flow)]], -1) if flow else h
+    return (direction, branch(jnp.concatenate([h, q_dir], -1), 1), branch(h_flow, 2),
+            branch(h_flow, 3))
+
+
+@pytest.mark.parametrize("flow", [FLOW, (), tuple(range(1, 11))])  # 10 > 8: the matmul path
 def test_fused_head_equals_five_separate_dense_streams(flow):
     """The head runs its five first layers as one matmul and adds the conditioning rows as small
-    products; this is the textbook definition (one Dense→ReLU→Dense per stream on concatenated
-    inputs) written out with the same parameters."""
-    from jdqn.networks.heads import BRANCH_NAMES, DuelingBranchingHead, dueling_logits
+    products; it must equal the textbook definition with the same parameters."""
+    from jdqn.networks.heads import DuelingBranchingHead
 
     head = DuelingBranchingHead(SMALL.branch_sizes, SMALL.n_atoms, SMALL.head_hidden,
                                 SMALL.v_min, SMALL.v_max, flow)
     k = jax.random.split(jax.random.key(11), 3)
     with x64():
         h = jax.random.normal(k[0], (9, SMALL.width), jnp.float64)
-        obs = jax.random.normal(k[1], (9, 6), jnp.float64)
+        obs = jax.random.normal(k[1], (9, 12), jnp.float64)
         params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, obs))
         got = head.apply(params, h, obs)
-        p = params["params"]
-        support = make_support(SMALL.v_min, SMALL.v_max, SMALL.n_atoms, jnp.float64)
-
-        def stream(x, name):
-            hid = jax.nn.relu(x @ p[f"{name}_fc"]["kernel"] + p[f"{name}_fc"]["bias"])
-            return hid @ p[f"{name}_out"]["kernel"] + p[f"{name}_out"]["bias"]
-
-        value = stream(h, "value")
-
-        def branch(x, d):
-            adv = stream(x, BRANCH_NAMES[d]).reshape(9, SMALL.branch_sizes[d], SMALL.n_atoms)
-            return dueling_logits(value, adv)
-
-        direction = branch(h, 0)
-        q_dir = jnp.sum(jax.nn.softmax(direction, -1) * support, -1) / max(
-            abs(SMALL.v_min), abs(SMALL.v_max))
-        h_flow = jnp.concatenate([h, obs[:, np.asarray(flow)]], -1) if flow else h
-        want = (direction, branch(jnp.concatenate([h, q_dir], -1), 1), branch(h_flow, 2),
-                branch(h_flow, 3))
+        want = _reference_head(params["params"], h, obs, flow)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_head_in_bf16_tracks_the_float32_reference():
+    from jdqn.networks.heads import DuelingBranchingHead
+
+    flow = tuple(range(1, 11))
+    head = DuelingBranchingHead(SMALL.branch_sizes, SMALL.n_atoms, SMALL.head_hidden,
+                                SMALL.v_min, SMALL.v_max, flow, matmul_dtype="bfloat16")
+    k = jax.random.split(jax.random.key(12), 3)
+    h, obs = jax.random.normal(k[0], (9, SMALL.width)), jax.random.normal(k[1], (9, 12))
+    params = head.init(k[2], h, obs)
+    chex.assert_trees_all_equal_dtypes(params, jax.tree.map(lambda x: x.astype(jnp.float32),
+                                                            params))
+    got = head.apply(params, h, obs)
+    want = _reference_head(params["params"], h, obs, flow)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, atol=0.05)  # bf16 inputs: ~3 significant digits
+        assert not np.array_equal(np.asarray(g), np.asarray(w))  # bf16 really ran

@@ -57,7 +57,9 @@ def test_projection_kernel_matches_reference(b, d, z, case):
     assert np.all(got >= 0)
 
 
-def test_projection_kernel_is_bitwise_reproducible_and_row_independent():
+def test_projection_kernel_rows_are_independent_of_their_block():
+    """(Bitwise repeatability on the GPU is measured by bench/kernels.py; the interpreter runs
+    the grid sequentially, so here only the row independence can fail.)"""
     tz, probs = _inputs(100, 4, 51, -25.0, 25.0, "random", seed=3)
     f = functools.partial(project_uniform_pallas, v_min=-25.0, v_max=25.0, interpret=True)
     a = np.asarray(f(jnp.asarray(tz), jnp.asarray(probs)))

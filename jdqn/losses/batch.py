@@ -31,12 +31,15 @@ Array = jax.Array
 
 
 def select(x: Array, index: Array) -> Array:
-    """``x[b, index[b], ...]`` as a one-hot contraction: x [B, A, ...], index int [B] → [B, ...].
+    """``x[b, index[b], ...]`` as a masked sum: x [B, A, ...], index int [B] → [B, ...].
 
-    Differentiable in ``x`` with an elementwise backward pass (no scatter-add)."""
-    onehot = jax.nn.one_hot(index, x.shape[1], dtype=x.dtype)  # [B, A]
-    onehot = onehot.reshape(onehot.shape + (1,) * (x.ndim - 2))
-    return jnp.sum(onehot * x, axis=1)
+    Differentiable in ``x`` with an elementwise backward pass (no scatter-add). Rows of actions
+    not selected are masked out with ``where`` (not multiplied by 0), so an ``inf`` there does
+    not become NaN. ``index`` must lie in ``[0, A)``: out of range it selects nothing (zeros)
+    where a gather would clamp; callers pass actions the env validated and argmaxes."""
+    mask = jax.nn.one_hot(index, x.shape[1], dtype=jnp.bool_)  # [B, A]
+    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
+    return jnp.sum(jnp.where(mask, x, jnp.zeros((), x.dtype)), axis=1)
 
 
 def argmax_select(x: Array, selector: Array) -> Array:
@@ -48,7 +51,8 @@ def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float) -> Arra
     """Categorical L2 projection of ``D`` distributions sharing their atom locations onto the
     uniform support ``linspace(v_min, v_max, Z)``.
 
-    tz: [B, Z_src] source atom locations (clipped here); probs: [B, D, Z_src] → [B, D, Z].
+    tz: [B, Z] source atom locations (clipped here); probs: [B, D, Z] → [B, D, Z]. Source and
+    target have the same number of atoms Z (the C51 target: ``Tz = r + γⁿ(1−done)·z``).
     Equal to :func:`jdqn.losses.categorical.categorical_l2_project` applied per (b, d) on a
     uniform support (tested), computed as ``m[b, d, i] = Σ_j p[b, d, j]·max(0, 1 − |x_bj − i|)``
     with ``x = (Tz − v_min)/Δz``.

@@ -83,7 +83,10 @@ class DenseParams(nn.Module):
 
 
 def _matmul(x: Array, w: Array, matmul_dtype: str) -> Array:
-    """``x @ w`` under the precision policy of :func:`jdqn.networks.trunk.dense`."""
+    """``x @ w``; with ``"bfloat16"`` the inputs are cast to bf16 and the product accumulates
+    and returns in float32 (``nn.Dense(dtype=bf16)``, used before, also rounded its output and
+    bias add to bf16: bf16 logits moved by up to ~1e-2, so bf16 runs are not bit-comparable with
+    earlier versions; float32 is unchanged)."""
     if matmul_dtype == "bfloat16":
         return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                        preferred_element_type=jnp.float32)
@@ -92,7 +95,9 @@ def _matmul(x: Array, w: Array, matmul_dtype: str) -> Array:
 
 def _small_matmul(x: Array, w: Array) -> Array:
     """``x [B, k] @ w [k, n]`` for a handful of inputs (k ≤ 8) as a sum of broadcasts, which XLA
-    fuses into its consumer instead of launching a matmul with a tiny contraction."""
+    fuses into its consumer instead of launching a matmul with a tiny contraction; a plain
+    matmul above that (e.g. the 14 order-flow features of MBP-10 data). Always in the input
+    dtype (float32), also under bf16 matmuls: these contractions are a few inputs wide."""
     if x.shape[-1] > 8:
         return jnp.dot(x, w.astype(x.dtype))
     w = w.astype(x.dtype)

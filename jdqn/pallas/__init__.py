@@ -22,7 +22,9 @@ Array = jax.Array
 
 
 def use_pallas(impl: str) -> bool:
-    """Whether ``impl`` (``ModelConfig.impl``) selects the Pallas kernels on this backend."""
+    """Whether ``impl`` (``ModelConfig.impl``) selects the Pallas kernels. ``"auto"`` looks at
+    the default backend (the trainer places everything there); ``"pallas"`` off the GPU runs
+    the kernels in Pallas' interpreter, which is correct but slow — meant for tests."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"model.impl = {impl!r}: expected 'auto', 'pallas' or 'xla'")
     return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")

@@ -14,10 +14,13 @@ distributions ``[rows, Zp]`` as accumulators; it walks the source atoms ``j`` in
 ``p[:, d, j] · max(0, 1 − |x[:, j] − i|)`` to every target atom ``i`` at once. The summation
 order is fixed (j = 0, 1, …), so the result is bitwise reproducible run to run.
 
-Layout: the atom axis is padded to a power of two ``Zp`` (Triton's block rule); padded source
-atoms get probability 0 and a location far outside the support, so they contribute nothing;
-the padded target atoms are sliced off. The D branches are laid out side by side in one
-``[B, D·Zp]`` row, which is a free reshape of ``[B, D, Zp]``.
+Layout: Triton needs every block dimension to be a power of two, so the atom axis is padded to
+``Zp`` and the branch axis to ``Dp`` (padded branches have probability 0 and are sliced off,
+as are the padded target atoms; the kernel reads only the Z real source atoms), and the batch
+to a multiple of the rows per program (padded rows sit far outside the support and are sliced
+off). The branches are laid out side by side in one ``[B, Dp·Zp]`` row, a free reshape of
+``[B, Dp, Zp]``. Rows per program shrink as ``Dp·Zp`` grows, to keep the accumulators
+(``rows × Dp·Zp`` floats) in registers.
 
 The projected target is a constant of the loss (it sits under ``stop_gradient``), so the kernel
 needs no VJP.
@@ -33,8 +36,9 @@ from jax.experimental import pallas as pl
 
 Array = jax.Array
 
-ROWS_PER_PROGRAM = 32  # samples per program: D accumulators of [32, Zp] live in registers
-_FAR = -1.0e4  # location of the padded source atoms (in atom units): weight 0 everywhere
+ROWS_PER_PROGRAM = 32  # samples per program at the default sizes (Dp·Zp = 256)
+_ACCUMULATORS = 8192  # rows × Dp·Zp floats held per program
+_FAR = -1.0e4  # location of padded rows' atoms (in atom units): weight 0 everywhere
 
 
 def _next_pow2(n: int) -> int:
@@ -58,14 +62,14 @@ def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
                            interpret: bool = False) -> Array:
     """Same contract as :func:`jdqn.losses.batch.project_uniform`: tz [B, Z], probs [B, D, Z]
     (float32) → [B, D, Z]. ``interpret=True`` runs the kernel in Pallas' interpreter (CPU)."""
-    b, n_branches, z = probs.shape
-    zp = _next_pow2(z)
-    rows = ROWS_PER_PROGRAM
+    b, n_real, z = probs.shape
+    zp, n_branches = _next_pow2(z), _next_pow2(n_real)
+    rows = max(1, min(ROWS_PER_PROGRAM, _ACCUMULATORS // (n_branches * zp)))
     bp = pl.cdiv(b, rows) * rows
     dz = (v_max - v_min) / (z - 1)
     x = (jnp.clip(tz.astype(jnp.float32), v_min, v_max) - v_min) / jnp.float32(dz)
     x = jnp.pad(x, ((0, bp - b), (0, zp - z)), constant_values=_FAR)
-    p = jnp.pad(probs.astype(jnp.float32), ((0, bp - b), (0, 0), (0, zp - z)))
+    p = jnp.pad(probs.astype(jnp.float32), ((0, bp - b), (0, n_branches - n_real), (0, zp - z)))
     p = p.reshape(bp, n_branches * zp)
     out = pl.pallas_call(
         functools.partial(_kernel, n_branches=n_branches, z=z, zp=zp),
@@ -77,4 +81,4 @@ def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
         interpret=interpret,
         name="c51_projection",
     )(x, p)
-    return out.reshape(bp, n_branches, zp)[:b, :, :z].astype(probs.dtype)
+    return out.reshape(bp, n_branches, zp)[:b, :n_real, :z].astype(probs.dtype)
