@@ -27,11 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
-import jax.numpy as jnp
 import train as train_bench
 
 from jdqn.config import apply_overrides, config_from_dict, load_config, to_dict
-from jdqn.train import epoch as epoch_lib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,29 +147,7 @@ def main() -> None:
                  "train.min_replay=2000", "train.collect_steps=8"]
     cfg = load_config(args.config, sets + args.sets)
     cfg = config_from_dict(apply_overrides(to_dict(cfg), [f"train.batch_size={args.batch}"]))
-    p, env_params, state = train_bench.build(cfg)
-    learner = p.learner
-    fold = jnp.asarray(0, jnp.int32)
-
-    @jax.jit
-    def fill(st):
-        def body(s, _):
-            s, chunk, _ = epoch_lib.collect(learner, s, env_params)
-            s, items, valid = epoch_lib.to_transitions(learner, s, chunk)
-            return epoch_lib.insert(s, items, valid), None
-
-        return jax.lax.scan(body, st, None, length=4)[0]
-
-    one = fill(jax.tree.map(lambda x: x[0], state))
-
-    @jax.jit
-    def updates(st):
-        def body(s, _):
-            s, m = epoch_lib.train_step(learner, s, env_params, fold)
-            return s, m["loss_total"]
-
-        return jax.lax.scan(body, st, None, length=args.updates)
-
+    updates, one = train_bench.filled_update_loop(cfg, args.updates)
     jax.block_until_ready(updates(one))
     t = time.perf_counter()
     jax.block_until_ready(updates(one))

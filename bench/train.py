@@ -55,13 +55,13 @@ def build(cfg):
     return p, env_params, state
 
 
-def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
-    cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
+def filled_update_loop(cfg, n_updates: int):
+    """``(updates, state)``: a jitted ``lax.scan`` of ``n_updates`` train steps and a single-seed
+    state whose replay holds real collected transitions (enough for any batch)."""
     p, env_params, state = build(cfg)
     learner = p.learner
     fold = jnp.asarray(0, jnp.int32)
 
-    # Fill the replay with real collected transitions (enough for any batch).
     @jax.jit
     def fill(st):
         def body(s, _):
@@ -71,9 +71,6 @@ def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
 
         return jax.lax.scan(body, st, None, length=4)[0]
 
-    one = jax.tree.map(lambda x: x[0], state)
-    one = fill(one)
-
     @jax.jit
     def updates(st):
         def body(s, _):
@@ -82,6 +79,12 @@ def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
 
         return jax.lax.scan(body, st, None, length=n_updates)
 
+    return updates, fill(jax.tree.map(lambda x: x[0], state))
+
+
+def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
+    cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
+    updates, one = filled_update_loop(cfg, n_updates)
     jax.block_until_ready(updates(one))  # compile + warm-up
     sec = _time(lambda: updates(one), repeats)
     per = sec / n_updates
