@@ -85,7 +85,7 @@ def test_impl_switch_resolves_per_backend_and_refuses_unknown_values():
 
 def test_total_loss_and_gradients_agree_between_pallas_and_xla():
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
-                      head_hidden=16, n_atoms=21, v_min=-5.0, v_max=5.0, iqn=True, iqn_embed=8,
+                      head_hidden=16, n_atoms=11, v_min=-5.0, v_max=5.0, iqn=True, iqn_embed=8,
                       iqn_n=4, iqn_n_prime=4)
     train = TrainConfig()
     from jdqn.losses import Batch
