@@ -178,6 +178,7 @@ def main() -> None:
         out["epoch"] = bench_epoch(base, max(1, args.repeats - 1))
     dev = jax.devices()[0]
     out.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                jax=jax.__version__, python=platform.python_version(),
                cpu_count=os.cpu_count(), date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
     print(json.dumps(out))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import chex
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from jdqn.networks import (
     URGENCY,
     BranchingQNetwork,
     MixtureOfExperts,
+    Trunk,
     cosine_embedding,
     count_params,
     decay_mask,
@@ -117,6 +119,34 @@ def test_bf16_matmuls_really_run_in_bf16(params):
     assert re.search(r"dot_general.*bf16", hlo), "no bf16 matmul in the lowered program"
     hlo32 = jax.jit(NET.apply).lower(params, _obs(), TAUS).as_text()
     assert not re.search(r"dot_general.*bf16", hlo32)
+
+
+def _dot_output_dtypes(jaxpr) -> list[str]:
+    """Output dtypes of every dot_general in a (closed) jaxpr, nested calls included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(str(eqn.outvars[0].aval.dtype))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_output_dtypes(sub)
+    return found
+
+
+def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
+    """Mixed precision: every matmul writes a bf16 activation except the eight whose output a
+    loss or softmax reads or that is a bias (the value and four advantage output layers, the
+    IQN output layer, the MoE gate logits, the gate-weighted expert bias Σ_k g_k b2_k), which
+    write float32; the trunk feature itself is bf16."""
+    dtypes = _dot_output_dtypes(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
+    assert dtypes.count("float32") == 8, dtypes
+    assert dtypes.count("bfloat16") == len(dtypes) - 8 >= 8, dtypes
+    assert set(_dot_output_dtypes(jax.make_jaxpr(NET.apply)(params, _obs(), TAUS).jaxpr)) == {
+        "float32"}
+    trunk = Trunk(SMALL.width, SMALL.n_grn_blocks, SMALL.n_experts, SMALL.expert_hidden,
+                  SMALL.gate_hidden, "bfloat16")
+    out = trunk.apply({"params": params["params"]["trunk"]}, _obs())
+    assert out.h.dtype == jnp.bfloat16
+    chex.assert_type([out.gate, out.selection], jnp.float32)
 
 
 def test_init_vmapped_over_seeds_gives_different_params(seed_params):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdqn.networks.trunk import dense
+from jdqn.networks.trunk import DenseParams, act_dtype, dense, matmul, wide_dtype
 
 Array = jax.Array
 
@@ -66,38 +66,11 @@ def q_gap(q: Array) -> Array:
     return top2[..., 0] - top2[..., 1]
 
 
-class DenseParams(nn.Module):
-    """The ``kernel [n_in, n_out]`` and ``bias [n_out]`` of a dense layer, created exactly as
-    ``nn.Dense`` creates them (same names, initialisers and draw order) but not applied: the
-    head below applies several of them as one matmul."""
-
-    n_in: int
-    n_out: int
-
-    @nn.compact
-    def __call__(self) -> tuple[Array, Array]:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (self.n_in, self.n_out),
-                            jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (self.n_out,), jnp.float32)
-        return kernel, bias
-
-
-def _matmul(x: Array, w: Array, matmul_dtype: str) -> Array:
-    """``x @ w``; with ``"bfloat16"`` the inputs are cast to bf16 and the product accumulates
-    and returns in float32 (``nn.Dense(dtype=bf16)``, used before, also rounded its output and
-    bias add to bf16: bf16 logits moved by up to ~1e-2, so bf16 runs are not bit-comparable with
-    earlier versions; float32 is unchanged)."""
-    if matmul_dtype == "bfloat16":
-        return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                       preferred_element_type=jnp.float32)
-    return jnp.dot(x, w.astype(x.dtype))
-
-
 def _small_matmul(x: Array, w: Array) -> Array:
     """``x [B, k] @ w [k, n]`` for a handful of inputs (k ≤ 8) as a sum of broadcasts, which XLA
     fuses into its consumer instead of launching a matmul with a tiny contraction; a plain
     matmul above that (e.g. the 14 order-flow features of MBP-10 data). Always in the input
-    dtype (float32), also under bf16 matmuls: these contractions are a few inputs wide."""
+    dtype, also under bf16 matmuls: these contractions are a few inputs wide."""
     if x.shape[-1] > 8:
         return jnp.dot(x, w.astype(x.dtype))
     w = w.astype(x.dtype)
@@ -133,7 +106,8 @@ class DuelingBranchingHead(nn.Module):
     def __call__(self, h: Array, obs: Array) -> tuple[Array, ...]:
         b, z, hid, md = h.shape[0], self.n_atoms, self.hidden, self.matmul_dtype
         width, n_flow = h.shape[-1], len(self.flow_idx)
-        support = make_support(self.v_min, self.v_max, z, dtype=h.dtype)
+        act, wide = act_dtype(md, h), wide_dtype(md, h)  # hidden layers / logits
+        support = make_support(self.v_min, self.v_max, z, dtype=wide)
         extra_in = {"value": 0, BRANCH_NAMES[DIRECTION]: 0,
                     BRANCH_NAMES[MAGNITUDE]: self.branch_sizes[DIRECTION],
                     BRANCH_NAMES[ORDER_TYPE]: n_flow, BRANCH_NAMES[URGENCY]: n_flow}
@@ -146,11 +120,11 @@ class DuelingBranchingHead(nn.Module):
         # First layers of all five streams on h: one matmul.
         w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
         b1 = jnp.concatenate([fc[s][1] for s in streams])
-        pre = _matmul(h, w1, md) + b1.astype(h.dtype)
+        pre = matmul(h, w1, md, act) + b1.astype(act)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
-        def second(s: str, x: Array) -> Array:
-            return _matmul(nn.relu(x), out[s][0], md) + out[s][1].astype(h.dtype)
+        def second(s: str, x: Array) -> Array:  # output layer: accumulates and returns `wide`
+            return matmul(nn.relu(x), out[s][0], md, wide) + out[s][1].astype(wide)
 
         def logits(d: int, x: Array) -> Array:
             adv = second(BRANCH_NAMES[d], x).reshape(b, self.branch_sizes[d], z)
@@ -161,14 +135,14 @@ class DuelingBranchingHead(nn.Module):
         q_scale = max(abs(self.v_min), abs(self.v_max))
         q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
         mag = BRANCH_NAMES[MAGNITUDE]
-        magnitude = logits(MAGNITUDE, pre[mag] + _small_matmul(q_dir.astype(h.dtype),
-                                                               fc[mag][0][width:]))
+        cond = _small_matmul(q_dir, fc[mag][0][width:])
+        magnitude = logits(MAGNITUDE, pre[mag] + cond.astype(act))
         rest = []
         for d in (ORDER_TYPE, URGENCY):
             x = pre[BRANCH_NAMES[d]]
             if n_flow:
-                flow = obs[:, np.asarray(self.flow_idx)].astype(h.dtype)  # [B, F_o]
-                x = x + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
+                flow = obs[:, np.asarray(self.flow_idx)].astype(wide)  # [B, F_o]
+                x = x + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:]).astype(act)
             rest.append(logits(d, x))
         return (direction, magnitude, *rest)
 
@@ -196,11 +170,12 @@ class IQNHead(nn.Module):
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
-        emb = cosine_embedding(taus.astype(h.dtype), self.n_basis)  # [B, Q, M]
-        phi = nn.relu(dense(emb, h.shape[-1], self.matmul_dtype, "tau_embed"))  # [B, Q, H]
-        x = h[:, None, :] * phi
-        hid = nn.relu(dense(x, self.hidden, self.matmul_dtype, "fc"))
-        out = dense(hid, 1 + sum(self.branch_sizes), self.matmul_dtype, "out")  # [B, Q, 1+ΣA]
+        md = self.matmul_dtype
+        emb = cosine_embedding(taus.astype(wide_dtype(md, h)), self.n_basis)  # [B, Q, M]
+        phi = nn.relu(dense(emb, h.shape[-1], md, "tau_embed"))  # [B, Q, H]
+        x = h[:, None, :].astype(phi.dtype) * phi
+        hid = nn.relu(dense(x, self.hidden, md, "fc"))
+        out = dense(hid, 1 + sum(self.branch_sizes), md, "out", wide=True)  # [B, Q, 1+ΣA]
         value, adv = out[..., :1], out[..., 1:]
         result, start = [], 0
         for a in self.branch_sizes:

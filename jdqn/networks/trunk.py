@@ -3,11 +3,17 @@
 Axes: ``B`` batch, ``W`` state width (128), ``H`` trunk width (256), ``K`` experts,
 ``E`` expert bottleneck (64), ``G`` gate hidden (64).
 
-Precision policy (shared with :mod:`jdqn.networks.heads`): parameters are always float32. With
-``matmul_dtype = "bfloat16"`` every matmul casts its inputs to bfloat16 and its output is cast
-back to float32 immediately, so LayerNorm, gates, softmaxes and the losses run in float32. With
-``"float32"`` no cast is inserted at all, so the whole model follows its input dtype (the
-gradient tests run it in float64).
+Precision policy (shared with :mod:`jdqn.networks.heads`): parameters are always float32.
+
+* ``matmul_dtype = "float32"``: no cast is inserted anywhere, so the whole model follows its
+  input dtype (the gradient tests run it in float64).
+* ``matmul_dtype = "bfloat16"`` (mixed precision): matmul inputs are bf16 and accumulate in
+  float32; **activations are stored in bf16** (the hidden layers, GLU gates, the residual stream,
+  the MoE hidden layer, the IQN features), because the update is bound by activation traffic,
+  not by matmul FLOPs. LayerNorm statistics are computed in float32 (flax does this for bf16
+  inputs). Everything a loss or a decision reads is float32: the MoE gate logits and softmax,
+  the C51 logits (the heads' output layers accumulate and return float32), the IQN quantiles and
+  every loss.
 """
 
 from __future__ import annotations
@@ -22,22 +28,61 @@ Array = jax.Array
 
 
 def compute_dtype(matmul_dtype: str) -> Any:
-    """``ModelConfig.matmul_dtype`` → the dtype matmul inputs are cast to (None = no cast)."""
+    """``ModelConfig.matmul_dtype`` → the dtype matmul inputs and stored activations are cast to
+    (None = no cast: the model follows its input dtype)."""
     return jnp.bfloat16 if matmul_dtype == "bfloat16" else None
+
+
+def act_dtype(matmul_dtype: str, x: Array) -> Any:
+    """Dtype of stored activations: bf16 under bf16 matmuls, else ``x``'s dtype."""
+    return jnp.bfloat16 if matmul_dtype == "bfloat16" else x.dtype
+
+
+def wide_dtype(matmul_dtype: str, x: Array) -> Any:
+    """Dtype of what losses and decisions read (logits, gate, quantiles): float32 under bf16
+    matmuls, else ``x``'s dtype."""
+    return jnp.float32 if matmul_dtype == "bfloat16" else x.dtype
 
 
 _LECUN_NORMAL = nn.initializers.lecun_normal()
 
 
+class DenseParams(nn.Module):
+    """The ``kernel [n_in, n_out]`` and ``bias [n_out]`` of a dense layer, created exactly as
+    ``nn.Dense`` creates them (same names, initialisers and draw order) but not applied, so the
+    caller controls the precision of the product (and may apply several as one matmul)."""
+
+    n_in: int
+    n_out: int
+    kernel_init: Any = _LECUN_NORMAL
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        kernel = self.param("kernel", self.kernel_init, (self.n_in, self.n_out), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.n_out,), jnp.float32)
+        return kernel, bias
+
+
+def matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Array:
+    """``x @ w`` (contracting x's last axis). With ``"bfloat16"`` the inputs are cast to bf16,
+    the product accumulates in float32 and the GEMM writes ``out_dtype`` (default float32; bf16
+    for stored activations, so no separate convert kernel rereads a float32 copy). Otherwise
+    ``w`` follows ``x``'s dtype and ``out_dtype`` is ignored."""
+    if matmul_dtype == "bfloat16":
+        return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                       preferred_element_type=out_dtype or jnp.float32)
+    return jnp.dot(x, w.astype(x.dtype))
+
+
 def dense(x: Array, features: int, matmul_dtype: str, name: str,
-          kernel_init: Any = _LECUN_NORMAL) -> Array:
-    """``nn.Dense`` under the precision policy (call inside a ``@nn.compact`` method): float32
-    params, optional bf16 matmul inputs, output cast back to float32 when the matmul ran in
-    bf16. Params land at ``<name>/kernel`` and ``<name>/bias``."""
-    cd = compute_dtype(matmul_dtype)
-    y = nn.Dense(features, dtype=cd, param_dtype=jnp.float32, kernel_init=kernel_init,
-                 name=name)(x)
-    return y.astype(jnp.float32) if cd is not None else y
+          kernel_init: Any = _LECUN_NORMAL, wide: bool = False) -> Array:
+    """A dense layer under the precision policy (call inside a ``@nn.compact`` method). Params
+    land at ``<name>/kernel`` and ``<name>/bias`` with ``nn.Dense``'s initialisation. The result
+    is stored as an activation (bf16 under bf16 matmuls) or, with ``wide=True``, in float32
+    (outputs a loss or a softmax reads); the bias is added in that dtype."""
+    kernel, bias = DenseParams(x.shape[-1], features, kernel_init, name=name)()
+    out = wide_dtype(matmul_dtype, x) if wide else act_dtype(matmul_dtype, x)
+    return matmul(x, kernel, matmul_dtype, out) + bias.astype(out)
 
 
 class GRNBlock(nn.Module):
@@ -56,7 +101,8 @@ class GRNBlock(nn.Module):
         eta1 = dense(eta2, self.width, self.matmul_dtype, "fc")
         gate_and_value = dense(eta1, 2 * self.width, self.matmul_dtype, "glu")
         gate, value = jnp.split(gate_and_value, 2, axis=-1)
-        return nn.LayerNorm(param_dtype=jnp.float32, name="norm")(x + nn.sigmoid(gate) * value)
+        return nn.LayerNorm(dtype=compute_dtype(self.matmul_dtype), param_dtype=jnp.float32,
+                            name="norm")(x + nn.sigmoid(gate) * value)
 
 
 class VariableSelection(nn.Module):
@@ -72,7 +118,8 @@ class VariableSelection(nn.Module):
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
         weights = nn.sigmoid(dense(obs, obs.shape[-1], self.matmul_dtype, "select"))
-        return obs * weights, weights
+        return obs.astype(weights.dtype) * weights, weights.astype(
+            wide_dtype(self.matmul_dtype, obs))
 
 
 class MoEOutput(NamedTuple):
@@ -140,12 +187,14 @@ class MixtureOfExperts(nn.Module):
 
         g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc"))
         gate_logits = dense(g_hidden, k, self.matmul_dtype, "gate_out",
-                            kernel_init=nn.initializers.zeros)
+                            kernel_init=nn.initializers.zeros, wide=True)
         gate = jax.nn.softmax(gate_logits, axis=-1)
 
-        hidden = nn.relu(_einsum("bh,khe->bke", x, w1, self.matmul_dtype) + b1)  # [B, K, E]
-        weighted = gate[..., None].astype(hidden.dtype) * hidden
-        h = _einsum("bke,keh->bh", weighted, w2, self.matmul_dtype) + gate @ b2.astype(gate.dtype)
+        md, act = self.matmul_dtype, act_dtype(self.matmul_dtype, x)
+        hidden = nn.relu(_einsum("bh,khe->bke", x, w1, md, act) + b1.astype(act))  # [B, K, E]
+        weighted = gate[..., None].astype(act) * hidden
+        bias = (gate @ b2.astype(gate.dtype)).astype(act)  # Σ_k g_k b2_k
+        h = _einsum("bke,keh->bh", weighted, w2, md, act) + bias
         return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
 
 
@@ -157,12 +206,12 @@ def expert_outputs(moe_params: Any, x: Array, matmul_dtype: str = "float32") -> 
     return _einsum("bke,keh->bkh", hidden, w2, matmul_dtype) + b2
 
 
-def _einsum(spec: str, a: Array, b: Array, matmul_dtype: str) -> Array:
-    cd = compute_dtype(matmul_dtype)
-    if cd is None:
+def _einsum(spec: str, a: Array, b: Array, matmul_dtype: str, out_dtype: Any = None) -> Array:
+    """einsum under the precision policy (see :func:`matmul`)."""
+    if compute_dtype(matmul_dtype) is None:
         return jnp.einsum(spec, a, b)
-    return jnp.einsum(spec, a.astype(cd), b.astype(cd),
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                      preferred_element_type=out_dtype or jnp.float32)
 
 
 class TrunkOutput(NamedTuple):
