@@ -420,6 +420,14 @@ def _validate(obj: Any, prefix: str) -> None:
     if isinstance(obj, TrainConfig):
         if not obj.seeds:
             raise ConfigError(f"{p}seeds is empty; give at least one seed")
+        dup = sorted({s for s in obj.seeds if obj.seeds.count(s) > 1})
+        if dup:
+            raise ConfigError(f"{p}seeds = {list(obj.seeds)}: seed(s) {dup} repeated; each seed "
+                              "is a separate model with its own report folder")
+        if obj.min_replay > obj.replay_capacity:
+            raise ConfigError(f"{p}min_replay = {obj.min_replay} > {p}replay_capacity = "
+                              f"{obj.replay_capacity}: the replay could never fill enough for "
+                              "a single gradient update")
         if obj.train_frac + obj.test_frac >= 1:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
     if isinstance(obj, ParallelConfig) and (obj.n_devices != 1 or obj.distributed):
@@ -474,9 +482,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        table = tomllib.loads(path.read_text())
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); TOML configs are "
+                          "UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror})") from None
     table = apply_overrides(table, overrides or [])
     try:
         cfg = config_from_dict(table)

@@ -4,8 +4,9 @@ Runs the whole job: data → features → walk-forward training → test-window 
 ``--features-only`` stops after building (or loading) the features and prints what it built.
 
 User errors (bad config, bad data, unusable checkpoint, a safety halt) print one line
-``jdqn: error: …`` and exit with code 2; nothing is written over an existing run unless
-``--resume`` is given.
+``jdqn: error: …`` and exit with code 2; an operating-system error (permissions, a full disk)
+prints one such line naming the file and exits with code 1. Nothing is written over an existing
+run unless ``--resume`` is given.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         return Path("runs") / Path(cfg_path).stem / stamp
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out} is a file, not a folder")
     if resume:
         if not (out / "config.toml").is_file():
             raise ConfigError(f"--resume: {out} holds no run (no config.toml there)")
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     except JdqnError as e:
         print(f"jdqn: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OSError as e:  # permissions, a full disk, a vanished folder: say which file
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"jdqn: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("jdqn: interrupted", file=sys.stderr)
         return 130

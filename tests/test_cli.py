@@ -118,6 +118,28 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
                       "--resume needs --output-dir")
 
 
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "run"
+    f.write_text("not a folder")
+    assert_user_error(run_cli("--config", "configs/quickstart.toml", "--output-dir", str(f)),
+                      f"--output-dir {f} is a file")
+    assert f.read_text() == "not a folder"
+
+
+def test_os_error_is_one_line_naming_the_file(tmp_path):
+    """An operating-system error (here: the run folder's parent is a file, so it cannot be
+    created) is one line naming the path, exit code 1, no traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder is needed")
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir",
+                  str(blocker / "run"))
+    assert res.returncode == 1, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jdqn: error: "), res.stderr
+    assert str(blocker) in lines[0]
+    assert blocker.read_text() == "a file where a folder is needed"
+
+
 def test_es_ticks_config_builds_features_from_the_shipped_sample():
     res = run_cli("--config", "configs/es_ticks.toml", "--features-only",
                   "--set", "data.cache_dir=''")

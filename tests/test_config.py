@@ -57,6 +57,21 @@ def test_cross_field_checks():
         config_from_dict({"model": {"branch_sizes": [4, 3, 3]}})
 
 
+def test_train_cross_field_checks():
+    with pytest.raises(ConfigError, match=r"min_replay = 5000 > train.replay_capacity = 4000"):
+        config_from_dict({"train": {"min_replay": 5000, "replay_capacity": 4000}})
+    with pytest.raises(ConfigError, match=r"seed\(s\) \[1\] repeated"):
+        config_from_dict({"train": {"seeds": [1, 2, 1]}})
+    config_from_dict({"train": {"min_replay": 4000, "replay_capacity": 4000, "seeds": [2, 1]}})
+
+
+def test_config_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "latin1.toml"
+    p.write_bytes("[data]\nsource = 'synth\u00e9tique'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.toml: not a UTF-8 text file"):
+        load_config(p)
+
+
 def test_overrides_parse_toml_literals_and_bare_strings():
     t = apply_overrides({}, ["train.lr=1e-3", "train.seeds=[1, 2]", "data.source=ticks",
                              "logging.progress=false"])

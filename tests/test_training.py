@@ -263,6 +263,8 @@ def test_killed_run_resumes_to_a_bitwise_identical_result(tmp_path):
     for r in (a, b):
         r["extra"].pop("wall_seconds")
     assert a == b
+    # Every epoch logged once, with the same values as the uninterrupted run.
+    assert (out / "metrics.jsonl").read_text() == (tmp_path / "ref" / "metrics.jsonl").read_text()
 
     # Final params bitwise equal: restore the last checkpoint of both runs.
     from jdqn.config import load_config

@@ -190,7 +190,8 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
             if ckpt.latest_step() is None:
                 raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
             state, progress = ckpt.restore(ckpt.latest_step(), abstract)
-        logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet)
+        logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet,
+                           resume_epoch=progress["global_epoch"] if resume else None)
         logger.advance(progress["global_epoch"])
         try:
             state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt,

@@ -39,12 +39,38 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
+def truncate_jsonl(path: Path, last_epoch: int) -> None:
+    """Keep the records of ``path`` up to global epoch ``last_epoch`` (records without a
+    ``global_epoch`` count by line), dropping later ones and a torn last line. Atomic rewrite."""
+    if not path.exists():
+        return
+    kept = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut short by the kill: nothing after it was written either
+        if int(rec.get("global_epoch", i + 1)) > last_epoch:
+            break
+        kept.append(line + "\n")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 class RunLogger:
     """Writes one record per epoch to every enabled sink."""
 
-    def __init__(self, out_dir: Path, cfg: LoggingConfig, total_epochs: int, quiet: bool = False):
+    def __init__(self, out_dir: Path, cfg: LoggingConfig, total_epochs: int, quiet: bool = False,
+                 resume_epoch: int | None = None):
+        """``resume_epoch``: the global epoch of the checkpoint a resumed run restarts from.
+        A killed run may have logged epochs after its last committed checkpoint; those
+        records are dropped from ``metrics.jsonl`` (and purged from TensorBoard) before the
+        resumed run logs them again, so every epoch appears once."""
         self.out_dir = Path(out_dir)
         self.cfg = cfg
+        if resume_epoch is not None and cfg.jsonl:
+            truncate_jsonl(self.out_dir / "metrics.jsonl", resume_epoch)
         # Held open for the run (one line per epoch), closed by close().
         self._jsonl = (open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115
                        if cfg.jsonl else None)
@@ -52,7 +78,8 @@ class RunLogger:
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            purge = None if resume_epoch is None else resume_epoch + 1
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=purge)
         self._progress = None
         self._task = None
         if cfg.progress and not quiet:
@@ -66,7 +93,7 @@ class RunLogger:
         self.quiet = quiet
 
     def log_epoch(self, record: dict[str, Any], global_epoch: int) -> None:
-        record = _json_safe(record)
+        record = _json_safe({**record, "global_epoch": global_epoch})
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()

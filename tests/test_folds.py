@@ -1,0 +1,123 @@
+"""Walk-forward: the fold layout, per-fold normalisation, early stopping and the parameters
+carried to the test window."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from helpers import tiny_config
+
+from jdqn.config import ConfigError, TrainConfig
+from jdqn.train import job as job_lib
+from jdqn.train.folds import MIN_WINDOW, plan_folds
+
+
+@pytest.mark.parametrize("n_bars,warmup,n_folds,purge,train_frac,test_frac", [
+    (3000, 50, 2, 5, 0.6, 0.2), (10_000, 0, 5, 0, 0.5, 0.1), (10_007, 133, 3, 40, 0.7, 0.25),
+    (500, 20, 1, 10, 0.3, 0.3)])
+def test_fold_windows_are_ordered_purged_and_never_overlap(n_bars, warmup, n_folds, purge,
+                                                          train_frac, test_frac):
+    cfg = TrainConfig(n_folds=n_folds, purge_bars=purge, train_frac=train_frac,
+                      test_frac=test_frac)
+    plan = plan_folds(n_bars, warmup, cfg)
+    assert len(plan.folds) == n_folds
+    t_lo, t_hi = plan.test
+    assert t_hi == n_bars and t_hi - t_lo == int((n_bars - warmup) * test_frac) >= MIN_WINDOW
+    val_lens = {f.val[1] - f.val[0] for f in plan.folds}
+    assert len(val_lens) == 1 and min(val_lens) >= MIN_WINDOW  # equal validation blocks
+    for i, f in enumerate(plan.folds):
+        assert f.index == i
+        assert f.train[0] == warmup  # expanding window from the first usable bar
+        assert f.train[1] + purge == f.val[0]  # purge gap between train and validation
+        assert f.train[1] - f.train[0] >= MIN_WINDOW
+        if i:
+            prev = plan.folds[i - 1]
+            assert prev.val[1] == f.val[0]  # consecutive validation blocks
+            assert f.train[1] > prev.train[1]
+    assert plan.folds[-1].val[1] + purge == t_lo  # purge gap before the test window
+    # Validation blocks take (about) the last 1 − train_frac of the pre-test span.
+    pre = t_lo - purge - warmup
+    assert abs(sum(val_lens) * n_folds - pre * (1 - train_frac)) < n_folds + 1
+    # No bar in two windows of a fold, and no bar of any train/val window in the test window.
+    for f in plan.folds:
+        windows = [set(range(*f.train)), set(range(*f.val)), set(range(*plan.test))]
+        assert not (windows[0] & windows[1]) and not (windows[1] & windows[2])
+        assert not (windows[0] & windows[2])
+
+
+def test_too_few_bars_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"too few for train.n_folds = 4"):
+        plan_folds(200, 20, TrainConfig(n_folds=4))
+    with pytest.raises(ConfigError, match=r"fold 0: its train window has"):
+        plan_folds(400, 20, TrainConfig(n_folds=3, train_frac=0.01, test_frac=0.1,
+                                        purge_bars=0))
+
+
+def test_each_fold_normalises_on_its_own_train_window_only():
+    """Changing every feature value after a fold's train window leaves that fold's normalised
+    train rows bitwise unchanged: nothing after the window reaches its normaliser."""
+    cfg = tiny_config()
+    p = job_lib.prepare(cfg)
+    for f in range(len(p.plan.folds)):
+        hi = p.plan.folds[f].train[1]
+        values = p.feats.values.copy()
+        values[hi:] = values[hi:] * 100.0 + 7.0
+        changed = dataclasses.replace(p, feats=dataclasses.replace(p.feats, values=values))
+        a = np.asarray(job_lib.fold_env_params(cfg, p, f).features)
+        b = np.asarray(job_lib.fold_env_params(cfg, changed, f).features)
+        assert np.array_equal(a[:hi], b[:hi])
+        assert not np.array_equal(a[hi:], b[hi:])  # the change itself did go through
+    # Later folds see more data, so their normalisers differ from fold 0's.
+    f0 = np.asarray(job_lib.fold_env_params(cfg, p, 0).features)
+    f1 = np.asarray(job_lib.fold_env_params(cfg, p, 1).features)
+    assert not np.array_equal(f0, f1)
+
+
+@pytest.mark.slow
+def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
+    """One fold, patience 1: the fold ends at the first epoch whose validation Sharpe does not
+    beat the best so far (or after the last epoch). The parameters carried out of the fold are
+    those of the best-validation epoch, which the best-N checkpoint also holds."""
+    from jdqn.train import checkpoint as ckpt_lib
+    from jdqn.train.state import seed_keys
+
+    cfg = tiny_config("train.n_folds=1", "train.epochs_per_fold=6", "train.patience=1",
+                      "checkpoint.keep_best=1", "checkpoint.keep_latest=1",
+                      "logging.tensorboard=false", "checkpoint.async_save=false")
+    report = job_lib.run_job(cfg, tmp_path, quiet=True)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sharpes = [r["val"]["sharpe"] for r in recs]
+    rank = [-math.inf if s is None or math.isnan(s) else s for s in sharpes]
+    # Expected stopping epoch from the logged sequence.
+    best, stop = -math.inf, len(rank)
+    for e, s in enumerate(rank):
+        if e and s <= best:
+            stop = e + 1
+            break
+        best = max(best, s)
+    print("validation Sharpe by epoch:", sharpes, "stop after", stop)
+    assert len(recs) == stop, sharpes
+    fold = report["folds"][0]
+    assert fold["epochs"] == stop
+    best_epoch = int(np.argmax(rank[:stop]))
+    assert fold["sharpe"] == pytest.approx(sharpes[best_epoch])
+
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    abstract = jax.eval_shape(jax.vmap(lambda k: job_lib.init_state(p.learner, k, env_params)),
+                              seed_keys(cfg.train.seeds))
+    ck = ckpt_lib.Checkpointer(tmp_path / "checkpoints", fingerprint=job_lib.feature_schema(p))
+    try:
+        assert ck.best_step() == best_epoch + 1  # checkpoint steps are global epochs (1-based)
+        at_best, _ = ck.restore(ck.best_step(), abstract)
+        final, _ = ck.restore(ck.latest_step(), abstract)
+    finally:
+        ck.close()
+    for a, b in zip(jax.tree.leaves(final.best_params), jax.tree.leaves(at_best.params),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))

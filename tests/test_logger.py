@@ -1,0 +1,71 @@
+"""Run logger: metrics.jsonl records and what a resumed run does with records logged after the
+checkpoint it restarts from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jdqn.config import LoggingConfig
+from jdqn.train import logger as logger_lib
+from jdqn.train.logger import RunLogger, truncate_jsonl
+
+
+def _records(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_truncate_keeps_records_up_to_the_epoch_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"fold": 0, "epoch": e, "global_epoch": e + 1}) for e in range(4)]
+    path.write_text("\n".join(lines) + "\n" + '{"fold": 0, "ep')  # killed mid-write
+    truncate_jsonl(path, 2)
+    assert [r["global_epoch"] for r in _records(path)] == [1, 2]
+    truncate_jsonl(path, 5)  # nothing after the checkpoint: unchanged
+    assert [r["global_epoch"] for r in _records(path)] == [1, 2]
+
+
+def test_truncate_counts_lines_for_records_without_a_global_epoch(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(5)))
+    truncate_jsonl(path, 3)
+    assert [r["epoch"] for r in _records(path)] == [0, 1, 2]
+    truncate_jsonl(tmp_path / "absent.jsonl", 1)  # no file: nothing to do, no error
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_resumed_logger_logs_each_epoch_once_and_purges_tensorboard(tmp_path, monkeypatch):
+    import tensorboardX
+
+    purges = []
+    real = tensorboardX.SummaryWriter
+
+    def spy(*args, **kwargs):
+        purges.append(kwargs.get("purge_step"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", spy)
+    cfg = LoggingConfig(progress=False)
+    first = RunLogger(tmp_path, cfg, total_epochs=4, quiet=True)
+    for g in (1, 2, 3):  # epoch 3 logged, but the run dies before its checkpoint commits
+        first.log_epoch({"fold": 0, "epoch": g - 1, "loss": {"total": float(g)}}, g)
+    first.close()
+
+    resumed = RunLogger(tmp_path, cfg, total_epochs=4, quiet=True, resume_epoch=2)
+    for g in (3, 4):
+        resumed.log_epoch({"fold": 0, "epoch": g - 1, "loss": {"total": float(g)}}, g)
+    resumed.close()
+    recs = _records(tmp_path / "metrics.jsonl")
+    assert [r["global_epoch"] for r in recs] == [1, 2, 3, 4]
+    assert [r["epoch"] for r in recs] == [0, 1, 2, 3]
+    assert purges == [None, 3]  # TensorBoard hides the dead run's events from step 3 on
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_values_are_written_as_null(tmp_path, value):
+    log = RunLogger(tmp_path, LoggingConfig(progress=False, tensorboard=False), 1, quiet=True)
+    log.log_epoch({"fold": 0, "epoch": 0, "loss": {"total": value}}, 1)
+    log.close()
+    assert _records(tmp_path / "metrics.jsonl")[0]["loss"]["total"] is None
+    assert logger_lib._json_safe([value]) == [None]
