@@ -198,7 +198,9 @@ class ModelConfig:
     iqn_embed: int = fld(64, ge=1)  # cosine basis functions
     iqn_n: int = fld(8, ge=1)  # online quantile samples N
     iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
-    matmul_dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype of matmuls
+    # "bfloat16" = mixed precision: bf16 matmul inputs and stored activations, float32
+    # accumulation, bias adds, logits, gate and losses (docs/model.md, "Precision").
+    matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     fuse_next_obs: bool = True  # loss: one online forward over [s; s′] (fewer kernels) vs two
     # Kernels (SPEC §8): "pallas" = the fused Pallas kernels (jdqn/pallas; on CPU they run in
     # Pallas' interpreter, for tests), "xla" = the plain-JAX reference, "auto" = pallas on GPU,

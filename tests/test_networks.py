@@ -121,32 +121,58 @@ def test_bf16_matmuls_really_run_in_bf16(params):
     assert not re.search(r"dot_general.*bf16", hlo32)
 
 
-def _dot_output_dtypes(jaxpr) -> list[str]:
-    """Output dtypes of every dot_general in a (closed) jaxpr, nested calls included."""
+def _dot_outputs(jaxpr) -> list[tuple[str, int]]:
+    """(output dtype, output width) of every dot_general in a jaxpr, nested calls included."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            found.append(str(eqn.outvars[0].aval.dtype))
+            aval = eqn.outvars[0].aval
+            found.append((str(aval.dtype), aval.shape[-1]))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _dot_output_dtypes(sub)
+            found += _dot_outputs(sub)
     return found
 
 
 def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
-    """Mixed precision: every matmul writes a bf16 activation except the eight whose output a
-    loss or softmax reads or that is a bias (the value and four advantage output layers, the
-    IQN output layer, the MoE gate logits, the gate-weighted expert bias Σ_k g_k b2_k), which
-    write float32; the trunk feature itself is bf16."""
-    dtypes = _dot_output_dtypes(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
-    assert dtypes.count("float32") == 8, dtypes
-    assert dtypes.count("bfloat16") == len(dtypes) - 8 >= 8, dtypes
-    assert set(_dot_output_dtypes(jax.make_jaxpr(NET.apply)(params, _obs(), TAUS).jaxpr)) == {
+    """Mixed precision: every matmul writes a bf16 activation except those whose output a loss
+    or softmax reads (the value and four advantage output layers, the IQN output layer, the MoE
+    gate logits) and the gate-weighted expert bias Σ_k g_k b2_k, which write float32. Checked by
+    output width, so swapping which layer writes float32 fails too."""
+    z, sizes = SMALL.n_atoms, SMALL.branch_sizes
+    wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts, SMALL.width])
+    dots = _dot_outputs(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
+    assert sorted(w for d, w in dots if d == "float32") == wide, dots
+    assert {d for d, _ in dots} == {"float32", "bfloat16"}
+    assert sum(d == "bfloat16" for d, _ in dots) >= 8, dots
+    assert {d for d, _ in _dot_outputs(jax.make_jaxpr(NET.apply)(params, _obs(), TAUS).jaxpr)} == {
         "float32"}
     trunk = Trunk(SMALL.width, SMALL.n_grn_blocks, SMALL.n_experts, SMALL.expert_hidden,
                   SMALL.gate_hidden, "bfloat16")
     out = trunk.apply({"params": params["params"]["trunk"]}, _obs())
     assert out.h.dtype == jnp.bfloat16
     chex.assert_type([out.gate, out.selection], jnp.float32)
+
+
+def test_bf16_bias_gradients_are_reduced_in_float32(params):
+    """The bias gradient of a bf16 layer is a sum over the batch: it must accumulate in float32
+    (every reduce_sum in the backward pass of the bf16 model runs in float32)."""
+    def loss(p):
+        out = NET16.apply(p, _obs(), TAUS)
+        return sum(jnp.sum(lg) for lg in out.logits) + sum(jnp.sum(q) for q in out.quantiles)
+
+    def reduces(jaxpr):
+        found = []
+        for eqn in jaxpr.eqns:
+            shape = eqn.invars[0].aval.shape if eqn.invars else ()
+            if eqn.primitive.name == "reduce_sum" and any(shape[a] > 1
+                                                          for a in eqn.params["axes"]):
+                found.append(str(eqn.outvars[0].aval.dtype))  # a real sum, not a squeeze
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += reduces(sub)
+        return found
+
+    dtypes = reduces(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert dtypes and set(dtypes) == {"float32"}, dtypes
 
 
 def test_init_vmapped_over_seeds_gives_different_params(seed_params):

@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdqn.networks.trunk import DenseParams, act_dtype, dense, matmul, wide_dtype
+from jdqn.networks.trunk import (
+    DenseParams,
+    act_dtype,
+    add_bias,
+    dense,
+    matmul,
+    mul_f32,
+    wide_dtype,
+)
 
 Array = jax.Array
 
@@ -120,11 +128,11 @@ class DuelingBranchingHead(nn.Module):
         # First layers of all five streams on h: one matmul.
         w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
         b1 = jnp.concatenate([fc[s][1] for s in streams])
-        pre = matmul(h, w1, md, act) + b1.astype(act)
+        pre = add_bias(matmul(h, w1, md, act), b1)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
         def second(s: str, x: Array) -> Array:  # output layer: accumulates and returns `wide`
-            return matmul(nn.relu(x), out[s][0], md, wide) + out[s][1].astype(wide)
+            return add_bias(matmul(nn.relu(x), out[s][0], md, wide), out[s][1])
 
         def logits(d: int, x: Array) -> Array:
             adv = second(BRANCH_NAMES[d], x).reshape(b, self.branch_sizes[d], z)
@@ -135,14 +143,15 @@ class DuelingBranchingHead(nn.Module):
         q_scale = max(abs(self.v_min), abs(self.v_max))
         q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
         mag = BRANCH_NAMES[MAGNITUDE]
-        cond = _small_matmul(q_dir, fc[mag][0][width:])
-        magnitude = logits(MAGNITUDE, pre[mag] + cond.astype(act))
+        cond = _small_matmul(q_dir, fc[mag][0][width:])  # in `wide`
+        magnitude = logits(MAGNITUDE, (pre[mag].astype(wide) + cond).astype(act))
         rest = []
         for d in (ORDER_TYPE, URGENCY):
             x = pre[BRANCH_NAMES[d]]
             if n_flow:
                 flow = obs[:, np.asarray(self.flow_idx)].astype(wide)  # [B, F_o]
-                x = x + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:]).astype(act)
+                x = (x.astype(wide) + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
+                     ).astype(act)
             rest.append(logits(d, x))
         return (direction, magnitude, *rest)
 
@@ -173,7 +182,7 @@ class IQNHead(nn.Module):
         md = self.matmul_dtype
         emb = cosine_embedding(taus.astype(wide_dtype(md, h)), self.n_basis)  # [B, Q, M]
         phi = nn.relu(dense(emb, h.shape[-1], md, "tau_embed"))  # [B, Q, H]
-        x = h[:, None, :].astype(phi.dtype) * phi
+        x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
         hid = nn.relu(dense(x, self.hidden, md, "fc"))
         out = dense(hid, 1 + sum(self.branch_sizes), md, "out", wide=True)  # [B, Q, 1+ΣA]
         value, adv = out[..., :1], out[..., 1:]
