@@ -213,6 +213,39 @@ def test_q_drift_halts_and_rejects_the_model(tmp_path, monkeypatch):
     cfg = tiny_config("train.q_drift_floor=0.5", "model.iqn=false")
     with pytest.raises(TrainingHalted, match=r"Q drift at epoch 1 of fold 0.*rejected"):
         job_lib.run_job(cfg, tmp_path / "run", quiet=True)
+    # Switched off, the same drift is let through and the job finishes.
+    off = tiny_config("train.q_drift_floor=0.5", "model.iqn=false", "train.q_drift_halt=false")
+    report = job_lib.run_job(off, tmp_path / "off", quiet=True)
+    assert (tmp_path / "off" / "report.json").exists() and "test" in report
+
+
+def test_nan_reward_in_a_later_fold_halts_the_cli_run_naming_tensor_and_fold(tmp_path,
+                                                                             monkeypatch, capsys):
+    """Through the whole job: a NaN close planted in fold 1's train window (past the input
+    validation) halts the run with the tensor's name and the fold, exit code 2, one line."""
+    from jdqn import main as main_lib
+
+    real = job_lib.fold_env_params
+
+    def poisoned(cfg, p, fold_index):
+        env = real(cfg, p, fold_index)
+        if fold_index == 1:
+            lo, hi = int(env.lo), int(env.hi)
+            env = env.replace(bars=env.bars.at[lo + 1:hi, 3].set(jnp.nan))
+        return env
+
+    monkeypatch.setattr(job_lib, "fold_env_params", poisoned)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(tiny_toml("train.epochs_per_fold=1", "logging.tensorboard=false"))
+    code = main_lib.main(["--config", str(cfg), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == main_lib.EXIT_USER_ERROR, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("jdqn: error: "), err
+    assert "non-finite values in 'rewards'" in lines[0] and "of fold 1" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "report.json").exists()
+    # Fold 0 finished and was logged and checkpointed before the halt.
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 # --------------------------------------------------------------------------------------------
