@@ -69,3 +69,51 @@ def test_non_finite_values_are_written_as_null(tmp_path, value):
     log.close()
     assert _records(tmp_path / "metrics.jsonl")[0]["loss"]["total"] is None
     assert logger_lib._json_safe([value]) == [None]
+
+
+def test_a_real_epoch_record_carries_every_documented_diagnostic(tmp_path):
+    """One epoch of a tiny job: the metrics.jsonl record has every diagnostic docs/training.md
+    lists, per branch where it says per branch, with values that are finite and consistent."""
+    import math
+
+    from helpers import tiny_config
+
+    from jdqn.train import job as job_lib
+
+    cfg = tiny_config("train.n_folds=1", "train.epochs_per_fold=1", "logging.tensorboard=false")
+    job_lib.run_job(cfg, tmp_path, quiet=True)
+    (rec,) = _records(tmp_path / "metrics.jsonl")
+    n_branches, sizes = 4, cfg.model.branch_sizes
+    assert (rec["fold"], rec["epoch"], rec["global_epoch"]) == (0, 0, 1)
+    assert set(rec["loss"]) == {"total", "td", "c51", "mse", "iqn", "moe"}
+    for key in ("mean", "std", "mean_per_branch", "std_per_branch"):
+        assert len(rec["q"][key]) == n_branches
+    assert rec["q"]["gap"] >= 0 and rec["q"]["collect_abs_mean"] >= 0
+    assert 0 <= rec["atoms"]["edge_mass"] <= 1
+    assert 1 <= rec["atoms"]["effective"] <= cfg.model.n_atoms
+    assert len(rec["atoms"]["target_mean_per_branch"]) == n_branches
+    util = rec["moe"]["utilisation"]
+    assert len(util) == cfg.model.n_experts and math.isclose(sum(util), 1.0, rel_tol=1e-5)
+    assert 0 <= rec["moe"]["entropy"] <= math.log(cfg.model.n_experts) + 1e-6
+    assert rec["moe"]["lambda_eff"] >= cfg.train.moe_lambda_floor * (1 - 1e-5)  # float32 mean
+    assert set(rec["size"]["factors"]) >= {"conviction", "cvar", "kelly", "variance"}
+    assert rec["size"]["abs_realised"] <= rec["size"]["abs_intended"] + 1e-9
+    for name, a in zip(("direction", "magnitude", "order_type", "urgency"), sizes, strict=True):
+        freq = rec["actions"][name]
+        assert len(freq) == a and math.isclose(sum(freq), 1.0, rel_tol=1e-5)
+    assert set(rec["reward"]) == {"raw", "normalised"}
+    assert rec["optim"]["updates"] > 0 and rec["optim"]["grad_norm"] > 0
+    assert cfg.train.per_beta0 <= rec["optim"]["per_beta"] <= 1
+    assert 0 <= rec["optim"]["blend_alpha"] <= 1
+    assert rec["replay_size"] >= cfg.train.min_replay
+    assert set(rec["val"]) == {"sharpe", "total_return", "sharpe_per_seed", "n_trades"}
+    assert list(rec["val"]["sharpe_per_seed"]) == [str(s) for s in cfg.train.seeds]
+
+    def finite(x):
+        if isinstance(x, dict):
+            return all(finite(v) for v in x.values())
+        if isinstance(x, list):
+            return all(finite(v) for v in x)
+        return x is not None and math.isfinite(x)
+
+    assert finite(rec), rec

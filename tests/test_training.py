@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,6 +110,33 @@ def test_one_compilation_across_epochs_folds_and_lr_changes():
     jax.block_until_ready(state)
     assert fn._cache_size() - before == 1
     assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
+
+
+def test_an_epoch_is_one_program_with_no_host_round_trip():
+    """The epoch program contains no host callback (the only way a jitted program can stop for
+    the host), and calling it moves nothing between host and device implicitly."""
+    cfg = tiny_config("train.iters_per_epoch=2")
+    p, env_params, state = _setup(cfg)
+    fn = make_epoch_fn(p.learner)
+    fold = jax.device_put(jnp.asarray(0))
+
+    def prims(jaxpr):
+        out = set()
+        for eqn in jaxpr.eqns:
+            out.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                out |= prims(sub)
+        return out
+
+    names = prims(jax.make_jaxpr(fn)(state, env_params, fold).jaxpr)
+    assert "scan" in names or "while" in names
+    host = {n for n in names if "callback" in n or n in ("debug_print", "infeed", "outfeed")}
+    assert not host, host
+    jax.block_until_ready(fn(state, env_params, fold))  # compile outside the guard
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    with jax.transfer_guard("disallow"):
+        state, metrics = fn(state, env_params, fold)
+        jax.block_until_ready((state, metrics))
 
 
 def test_seeds_get_independent_streams_in_one_program():
