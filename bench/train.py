@@ -8,7 +8,8 @@ normalisation) on N envs; the epoch is ``make_epoch_fn`` with the config's sizes
 
     python bench/train.py                       # default model (configs/gpu.toml sizes), GPU
     python bench/train.py --quick               # small sizes, CPU smoke run
-    python bench/train.py --dtype bfloat16      # bf16 matmuls (float32 loss math)
+    python bench/train.py --dtype bfloat16      # bf16 mixed precision
+    python bench/train.py --out r.json          # r.json rewritten after each section
 
 Timings exclude compilation (one warm-up call) and end with ``block_until_ready``; each figure
 is the best of ``--repeats`` runs. Matmul precision is JAX's default unless ``--precision`` is
@@ -150,6 +151,9 @@ def main() -> None:
     ap.add_argument("--skip-collect", action="store_true")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="config override, e.g. --set model.fuse_next_obs=false")
+    ap.add_argument("--out", default="", help="also write the JSON to this file after every "
+                    "section, so a run stopped by a time limit keeps its finished sections "
+                    "(\"complete\": false until the end)")
     args = ap.parse_args()
     if args.precision != "default":
         jax.config.update("jax_default_matmul_precision", args.precision)
@@ -164,25 +168,37 @@ def main() -> None:
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else ([256, 1024] if args.quick else [256, 4096, 16384]))
     n_up = 10 if args.quick else args.updates
+    dev = jax.devices()[0]
     out = {
         "bench": "train", "config": Path(args.config).name, "quick": args.quick,
         "sets": args.sets, "fuse_next_obs": base.model.fuse_next_obs,
         "matmul_dtype": args.dtype, "matmul_precision": args.precision,
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
                                                        "expert_hidden", "n_atoms", "iqn")},
-        "updates": [bench_updates(base, b, n_up, args.repeats) for b in batches],
+        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "complete": False, "updates": [],
     }
+
+    def checkpoint() -> None:  # a run cut short by a time limit keeps what it measured
+        if args.out:
+            tmp = Path(args.out + ".tmp")
+            tmp.write_text(json.dumps(out) + "\n")
+            tmp.replace(args.out)
+
+    for b in batches:
+        out["updates"].append(bench_updates(base, b, n_up, args.repeats))
+        checkpoint()
     if not args.skip_collect:
         out["collect"] = bench_collect(base, args.repeats)
+        checkpoint()
     if not args.skip_epoch:
         out["epoch"] = bench_epoch(base, max(1, args.repeats - 1))
-    dev = jax.devices()[0]
-    out.update(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
-               xla_flags=os.environ.get("XLA_FLAGS", ""),
-               jax=jax.__version__, python=platform.python_version(),
-               cpu_count=os.cpu_count(), date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    out["complete"] = True
+    checkpoint()
     print(json.dumps(out))
-
 
 if __name__ == "__main__":
     main()
