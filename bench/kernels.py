@@ -67,8 +67,12 @@ def pallas(tz, probs, v_min, v_max):
     return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max)
 
 
-VARIANTS = {"xla_reference": project_uniform, "pallas": pallas, "xla_unrolled": unrolled,
-            "xla_einsum": einsum, "xla_twohot": twohot}
+def pallas_lanes(tz, probs, v_min, v_max):
+    return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max, layout="lanes")
+
+
+VARIANTS = {"xla_reference": project_uniform, "pallas": pallas, "pallas_lanes": pallas_lanes,
+            "xla_unrolled": unrolled, "xla_einsum": einsum, "xla_twohot": twohot}
 
 
 def main() -> None:
@@ -86,7 +90,7 @@ def main() -> None:
     ref = np.asarray(jax.jit(project_uniform, static_argnums=(2, 3))(tz, probs, v_min, v_max))
     results = {}
     for name, fn in VARIANTS.items():
-        if name == "pallas" and jax.default_backend() != "gpu":
+        if name.startswith("pallas") and jax.default_backend() != "gpu":
             results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
             continue
         f = jax.jit(lambda t, p, fn=fn: fn(t, p, v_min, v_max))

@@ -57,6 +57,18 @@ def test_projection_kernel_matches_reference(b, d, z, case):
     assert np.all(got >= 0)
 
 
+@pytest.mark.parametrize("b,d,z", [(1, 1, 2), (45, 4, 51), (70, 3, 64), (33, 4, 101)])
+def test_lanes_layout_equals_rows_layout_bitwise(b, d, z):
+    """The transposed ("lanes") kernel computes the same sums in the same order."""
+    tz, probs = _inputs(b, d, z, -25.0, 10.0, "random", seed=b + z)
+    f = functools.partial(project_uniform_pallas, jnp.asarray(tz), jnp.asarray(probs),
+                          v_min=-25.0, v_max=10.0, interpret=True)
+    rows, lanes = np.asarray(f(layout="rows")), np.asarray(f(layout="lanes"))
+    assert lanes.shape == (b, d, z) and np.array_equal(rows, lanes)
+    with pytest.raises(ValueError, match="layout"):
+        f(layout="columns")
+
+
 def test_projection_kernel_rows_are_independent_of_their_block():
     """(Bitwise repeatability on the GPU is measured by bench/kernels.py; the interpreter runs
     the grid sequentially, so here only the row independence can fail.)"""
