@@ -8,6 +8,7 @@ each reports the largest difference from the reference and whether two runs are 
 
     python bench/kernels.py                 # GPU (the Pallas kernel needs one)
     python bench/kernels.py --batch 2048    # smaller; on CPU the Pallas row is skipped
+    python bench/kernels.py --kernel c51_loss   # the fused C51 loss terms, forward + backward
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -75,14 +76,65 @@ VARIANTS = {"xla_reference": project_uniform, "pallas": pallas, "pallas_lanes": 
             "xla_unrolled": unrolled, "xla_einsum": einsum, "xla_twohot": twohot}
 
 
+def bench_c51_loss(b: int, d: int, z: int, reps: int) -> dict:
+    """``(sq, ce, tm)`` and the gradient w.r.t. the taken logits: Pallas (custom VJP) vs XLA."""
+    from jdqn.pallas.c51_loss import c51_terms_pallas, c51_terms_reference
+
+    v_min, v_max = -25.0, 25.0
+    k = jax.random.split(jax.random.key(0), 4)
+    taken = jax.random.normal(k[0], (b, d, z)) * 2
+    nxt = jax.random.normal(k[1], (b, d, z)) * 2
+    tz = (jax.random.normal(k[2], (b, 1)) * 10
+          + jax.random.uniform(k[3], (b, 1)) * jnp.linspace(v_min, v_max, z))
+    fns = {"xla_reference": lambda t, n, x: c51_terms_reference(t, n, x, v_min, v_max),
+           "pallas": lambda t, n, x: c51_terms_pallas(t, n, x, v_min, v_max, False)}
+
+    def value_and_grad(fn):
+        def loss(t, n, x):
+            sq, ce, _ = fn(t, n, x)
+            return jnp.sum(0.3 * sq + 0.7 * ce)
+        return jax.value_and_grad(loss)
+
+    ref = jax.jit(value_and_grad(fns["xla_reference"]))(taken, nxt, tz)
+    results = {}
+    for name, fn in fns.items():
+        if name == "pallas" and jax.default_backend() != "gpu":
+            results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
+            continue
+        vg = value_and_grad(fn)
+        one = jax.jit(vg)
+        a, a2 = (jax.block_until_ready(one(taken, nxt, tz)) for _ in range(2))
+        loop = jax.jit(lambda t, n, x, vg=vg: jax.lax.fori_loop(
+            0, reps, lambda i, acc: acc + jnp.sum(vg(t + 1e-3 * i, n, x)[1]), 0.0))
+        jax.block_until_ready(loop(taken, nxt, tz))
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(taken, nxt, tz))
+        sec = (time.perf_counter() - t0) / reps
+        results[name] = {"us_fwd_bwd": round(1e6 * sec, 1),
+                         "loss_rel_diff": float(abs(a[0] - ref[0]) / abs(ref[0])),
+                         "grad_max_abs_diff": float(jnp.max(jnp.abs(a[1] - ref[1]))),
+                         "bitwise_repeat": bool(jnp.array_equal(a[1], a2[1])
+                                                and a[0] == a2[0])}
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss"), default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
     ap.add_argument("--atoms", type=int, default=51)
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
+    dev = jax.devices()[0]
+    meta = {"batch": b, "branches": d, "atoms": z,
+            "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    if args.kernel == "c51_loss":
+        print(json.dumps({"bench": "kernels", "kernel": "c51_loss",
+                          "results": bench_c51_loss(b, d, z, args.reps), **meta}))
+        return
     k = jax.random.split(jax.random.key(0), 3)
     tz = (jax.random.normal(k[0], (b, 1)) * 10
           + jax.random.uniform(k[1], (b, 1)) * jnp.linspace(v_min, v_max, z))
@@ -104,12 +156,8 @@ def main() -> None:
         results[name] = {"us": round(1e6 * sec, 1),
                          "max_abs_diff_vs_reference": float(np.max(np.abs(a - ref))),
                          "bitwise_repeat": bool(np.array_equal(a, a2))}
-    dev = jax.devices()[0]
-    print(json.dumps({"bench": "kernels", "kernel": "c51_projection", "batch": b, "branches": d,
-                      "atoms": z, "results": results,
-                      "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}))
-
+    print(json.dumps({"bench": "kernels", "kernel": "c51_projection", "results": results,
+                      **meta}))
 
 if __name__ == "__main__":
     main()

@@ -82,6 +82,57 @@ def test_projection_kernel_rows_are_independent_of_their_block():
     assert np.array_equal(part, a[37:41])
 
 
+def _logits(b, d, z, seed):
+    rng = np.random.default_rng(seed)
+    taken = rng.normal(0, 2, (b, d, z)).astype(np.float32)
+    nxt = rng.normal(0, 2, (b, d, z)).astype(np.float32)
+    nxt[: b // 3, 0, z // 2] += 40.0  # near-one-hot target distributions too
+    return taken, nxt
+
+
+@pytest.mark.parametrize("b,d,z", [(1, 1, 2), (45, 4, 51), (9, 3, 21), (33, 2, 101)])
+@pytest.mark.parametrize("case", ["random", "far_outside", "done", "on_atoms"])
+def test_c51_loss_kernel_matches_reference_values_and_gradients(b, d, z, case):
+    from jdqn.pallas.c51_loss import c51_terms_pallas, c51_terms_reference
+
+    v_min, v_max = -25.0, 10.0
+    tz, _ = _inputs(b, d, z, v_min, v_max, case, seed=b * 5 + z)
+    taken, nxt = _logits(b, d, z, seed=b + z)
+    cot = np.random.default_rng(b).normal(size=(3, b, d)).astype(np.float32)
+
+    def weighted(f, t):
+        return sum(jnp.sum(c * o) for c, o in zip(cot, f(t), strict=True))
+
+    kern = functools.partial(c51_terms_pallas, nxt=jnp.asarray(nxt), tz=jnp.asarray(tz),
+                             v_min=v_min, v_max=v_max, interpret=True)
+    got = [np.asarray(x) for x in kern(jnp.asarray(taken))]
+    g_got = np.asarray(jax.grad(lambda t: weighted(kern, t))(jnp.asarray(taken)))
+    with x64():  # the oracle in float64 on the same (float32) inputs
+        ref = functools.partial(c51_terms_reference, nxt=jnp.asarray(nxt, jnp.float64),
+                                tz=jnp.asarray(tz, jnp.float64), v_min=v_min, v_max=v_max)
+        t64 = jnp.asarray(taken, jnp.float64)
+        want = [np.asarray(x) for x in ref(t64)]
+        g_want = np.asarray(jax.grad(lambda t: weighted(ref, t))(t64))
+    for name, g, w in zip(("sq", "ce", "tm"), got, want, strict=True):
+        assert g.shape == (b, d) and g.dtype == np.float32, name
+        scale = 1.0 + np.abs(w)
+        np.testing.assert_array_less(np.abs(g - w) / scale, 2e-5, err_msg=name)
+    scale = 1.0 + np.max(np.abs(g_want))
+    np.testing.assert_array_less(np.abs(g_got - g_want) / scale, 2e-5)
+
+
+def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
+    from jdqn import pallas
+
+    monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
+    assert pallas.use_pallas("auto", "projection")
+    assert "c51_loss" not in pallas.GPU_VALIDATED
+    assert not pallas.use_pallas("auto", "c51_loss")  # not measured on the GPU yet
+    assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")
+    monkeypatch.setattr(pallas.jax, "default_backend", lambda: "cpu")
+    assert not pallas.use_pallas("auto", "projection")
+
+
 def test_impl_switch_resolves_per_backend_and_refuses_unknown_values():
     assert use_pallas("pallas") and not use_pallas("xla")
     assert use_pallas("auto") == (jax.default_backend() == "gpu")

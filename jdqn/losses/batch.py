@@ -74,10 +74,10 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
 
     logits, target_logits: per branch [B, A_d, Z]; action int [B, D]; reward, discount [B];
     q_selector: per branch [B, A_d] (online expected Q at s′). Returns a dict of [B, D]:
-    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean``. ``impl`` selects the projection's
-    implementation (``ModelConfig.impl``; see :mod:`jdqn.pallas`).
+    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean``. ``impl`` (``ModelConfig.impl``)
+    selects the implementation of the loss terms and of the projection (see :mod:`jdqn.pallas`).
     """
-    from jdqn.pallas import project_uniform as project
+    from jdqn.pallas import c51_terms
 
     chex.assert_rank([action, reward, discount], [2, 1, 1])
     z = logits[0].shape[-1]
@@ -86,14 +86,8 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
     nxt = jnp.stack([argmax_select(tl, qs) for tl, qs in zip(target_logits, q_selector,
                                                               strict=True)], 1)  # [B, D, Z]
     tz = reward[:, None] + discount[:, None] * support  # [B, Z]
-    probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1))
-    target = jax.lax.stop_gradient(project(jax.lax.stop_gradient(tz), probs, v_min, v_max,
-                                           impl))  # [B, D, Z]
-    logp = jax.nn.log_softmax(taken, axis=-1)
-    ce = -jnp.sum(target * logp, axis=-1)
-    target_mean = jnp.sum(target * support, axis=-1)
-    q = jnp.sum(jnp.exp(logp) * support, axis=-1)
-    sq = jnp.square(q - target_mean)
+    sq, ce, target_mean = c51_terms(taken, jax.lax.stop_gradient(nxt),
+                                    jax.lax.stop_gradient(tz), v_min, v_max, impl)
     td = (1.0 - alpha) * sq + alpha * ce
     return {"td": td, "sq": sq, "ce": ce, "target_mean": target_mean}
 

@@ -8,10 +8,17 @@ Kernels in this version:
 
 * :func:`jdqn.pallas.projection.project_uniform_pallas` — the categorical L2 projection of the
   branching C51 target (all branches at once), the oracle being
-  :func:`jdqn.losses.batch.project_uniform`.
+  :func:`jdqn.losses.batch.project_uniform`. Measured on the H200 (faster than XLA).
+* :func:`jdqn.pallas.c51_loss.c51_terms_pallas` — the branching C51 loss terms (target softmax +
+  projection + cross-entropy + warm-up MSE + target mean) fused in one forward kernel, with a
+  custom VJP; the oracle is :func:`jdqn.pallas.c51_loss.c51_terms_reference`. Tested in the
+  interpreter, **not yet measured on the GPU**.
 
-The MoE mixture and the loss's backward pass are not fused kernels in this version: XLA's
-own fusions run them (see ``docs/model.md``, "Kernels").
+``"auto"`` uses a kernel on the GPU only once it has been measured there against XLA
+(:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the interpreter).
+
+The MoE mixture is not a fused kernel in this version: XLA's own fusions run it (see
+``docs/model.md``, "Kernels").
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ import jax
 Array = jax.Array
 
 
-def use_pallas(impl: str) -> bool:
-    """Whether ``impl`` (``ModelConfig.impl``) selects the Pallas kernels. ``"auto"`` looks at
-    the default backend (the trainer places everything there); ``"pallas"`` off the GPU runs
-    the kernels in Pallas' interpreter, which is correct but slow — meant for tests."""
+GPU_VALIDATED = frozenset({"projection"})  # kernels measured on the H200 (bench/results/)
+
+
+def use_pallas(impl: str, kernel: str = "projection") -> bool:
+    """Whether ``impl`` (``ModelConfig.impl``) selects the Pallas version of ``kernel``.
+    ``"auto"`` looks at the default backend (the trainer places everything there) and takes
+    only kernels in :data:`GPU_VALIDATED`; ``"pallas"`` takes every kernel, and off the GPU
+    runs it in Pallas' interpreter, which is correct but slow — meant for tests."""
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"model.impl = {impl!r}: expected 'auto', 'pallas' or 'xla'")
-    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+    return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"
+                                and kernel in GPU_VALIDATED)
 
 
 def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float, impl: str) -> Array:
@@ -35,9 +47,31 @@ def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float, impl: s
     implementation ``impl`` selects. Off the GPU the Pallas kernel runs in interpret mode."""
     from jdqn.losses.batch import project_uniform as reference
 
-    if not use_pallas(impl):
+    if not use_pallas(impl, "projection"):
         return reference(tz, probs, v_min, v_max)
     from jdqn.pallas.projection import project_uniform_pallas
 
     return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max,
                                   interpret=jax.default_backend() != "gpu")
+
+
+def c51_terms(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
+              impl: str) -> tuple[Array, Array, Array]:
+    """The branching C51 loss terms ``(sq, ce, tm)`` [B, D] (see
+    :func:`jdqn.pallas.c51_loss.c51_terms_pallas`) through the implementation ``impl`` selects;
+    the XLA path is the reference with the projection dispatched by :func:`project_uniform`."""
+    from jdqn.pallas import c51_loss
+
+    if use_pallas(impl, "c51_loss"):
+        return c51_loss.c51_terms_pallas(taken, nxt, tz, v_min, v_max,
+                                         jax.default_backend() != "gpu")
+    z = taken.shape[-1]
+    support = jax.numpy.linspace(v_min, v_max, z, dtype=taken.dtype)
+    probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1))
+    target = jax.lax.stop_gradient(project_uniform(jax.lax.stop_gradient(tz), probs, v_min,
+                                                   v_max, impl))
+    logp = jax.nn.log_softmax(taken, axis=-1)
+    ce = -jax.numpy.sum(target * logp, axis=-1)
+    tm = jax.numpy.sum(target * support, axis=-1)
+    q = jax.numpy.sum(jax.numpy.exp(logp) * support, axis=-1)
+    return jax.numpy.square(q - tm), ce, tm
