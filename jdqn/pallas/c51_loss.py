@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jdqn.pallas.projection import _ACCUMULATORS, _FAR, ROWS_PER_PROGRAM, _next_pow2
+from jdqn.pallas.projection import Layout
 
 Array = jax.Array
 
@@ -88,17 +88,10 @@ def _kernel(x_ref, tk_ref, nx_ref, sq_ref, ce_ref, tm_ref, m_ref, *, n_branches:
 def _forward(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
              interpret: bool) -> tuple[Array, Array, Array, Array]:
     b, n_real, z = taken.shape
-    zp, n_branches = _next_pow2(z), _next_pow2(n_real)
-    rows = max(1, min(ROWS_PER_PROGRAM, _ACCUMULATORS // (n_branches * zp)))
-    bp = pl.cdiv(b, rows) * rows
+    lay = Layout.of(b, n_real, z)
+    zp, n_branches, rows, bp = lay.zp, lay.dp, lay.rows, lay.bp
     dz = (v_max - v_min) / (z - 1)
-    x = (jnp.clip(tz.astype(jnp.float32), v_min, v_max) - v_min) / jnp.float32(dz)
-    x = jnp.pad(x, ((0, bp - b), (0, zp - z)), constant_values=_FAR)
-
-    def rows_of(lg):
-        lg = jnp.pad(lg.astype(jnp.float32), ((0, bp - b), (0, n_branches - n_real), (0, zp - z)),
-                     constant_values=_NEG)
-        return lg.reshape(bp, n_branches * zp)
+    x = lay.atom_positions(tz, v_min, v_max)
 
     row = functools.partial(pl.BlockSpec, index_map=lambda r: (r, 0))
     sq, ce, tm, m = pl.pallas_call(
@@ -111,7 +104,7 @@ def _forward(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
         out_specs=[row((rows, n_branches))] * 3 + [row((rows, n_branches * zp))],
         interpret=interpret,
         name="c51_loss",
-    )(x, rows_of(taken), rows_of(nxt))
+    )(x, lay.branch_rows(taken, _NEG), lay.branch_rows(nxt, _NEG))
     m = m.reshape(bp, n_branches, zp)[:b, :n_real, :z]
     return sq[:b, :n_real], ce[:b, :n_real], tm[:b, :n_real], m
 

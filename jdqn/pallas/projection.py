@@ -39,6 +39,7 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -54,6 +55,40 @@ _FAR = -1.0e4  # location of padded rows' atoms (in atom units): weight 0 everyw
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The padded row layout shared by the kernels over ``[B, D, Z]`` distributions: atoms
+    padded to ``zp`` and branches to ``dp`` (powers of two, Triton's rule), ``rows`` samples per
+    program (fewer as ``dp·zp`` grows, to keep ``rows·dp·zp`` accumulators in registers), the
+    batch padded to ``bp``, a multiple of ``rows``."""
+
+    b: int
+    d: int
+    z: int
+    zp: int
+    dp: int
+    rows: int
+    bp: int
+
+    @staticmethod
+    def of(b: int, d: int, z: int) -> Layout:
+        zp, dp = _next_pow2(z), _next_pow2(d)
+        rows = max(1, min(ROWS_PER_PROGRAM, _ACCUMULATORS // (dp * zp)))
+        return Layout(b, d, z, zp, dp, rows, pl.cdiv(b, rows) * rows)
+
+    def atom_positions(self, tz: Array, v_min: float, v_max: float) -> Array:
+        """``x = (clip(Tz) − v_min)/Δz`` [bp, zp] in atom units; padding sits far away."""
+        dz = (v_max - v_min) / (self.z - 1)
+        x = (jnp.clip(tz.astype(jnp.float32), v_min, v_max) - v_min) / jnp.float32(dz)
+        return jnp.pad(x, ((0, self.bp - self.b), (0, self.zp - self.z)), constant_values=_FAR)
+
+    def branch_rows(self, a: Array, pad: float) -> Array:
+        """``[B, D, Z]`` → float32 ``[bp, dp·zp]`` with ``pad`` in every padded slot."""
+        a = jnp.pad(a.astype(jnp.float32), ((0, self.bp - self.b), (0, self.dp - self.d),
+                                            (0, self.zp - self.z)), constant_values=pad)
+        return a.reshape(self.bp, self.dp * self.zp)
 
 
 def _kernel(x_ref, p_ref, o_ref, *, n_branches: int, z: int, zp: int):
@@ -89,14 +124,10 @@ def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
     if layout not in ("rows", "lanes"):
         raise ValueError(f"layout = {layout!r}: expected 'rows' or 'lanes'")
     b, n_real, z = probs.shape
-    zp, n_branches = _next_pow2(z), _next_pow2(n_real)
-    rows = max(1, min(ROWS_PER_PROGRAM, _ACCUMULATORS // (n_branches * zp)))
-    bp = pl.cdiv(b, rows) * rows
-    dz = (v_max - v_min) / (z - 1)
-    x = (jnp.clip(tz.astype(jnp.float32), v_min, v_max) - v_min) / jnp.float32(dz)
-    x = jnp.pad(x, ((0, bp - b), (0, zp - z)), constant_values=_FAR)
-    p = jnp.pad(probs.astype(jnp.float32), ((0, bp - b), (0, n_branches - n_real), (0, zp - z)))
-    p = p.reshape(bp, n_branches * zp)
+    lay = Layout.of(b, n_real, z)
+    x = lay.atom_positions(tz, v_min, v_max)
+    p = lay.branch_rows(probs, 0.0)
+    zp, n_branches, rows, bp = lay.zp, lay.dp, lay.rows, lay.bp
     if layout == "lanes":
         return _lanes(x, p, n_branches, z, zp, bp, rows, interpret)[:b, :n_real, :z].astype(
             probs.dtype)
