@@ -286,13 +286,17 @@ def test_reset_windows_stay_inside_bounds_over_whole_episodes():
     assert len(np.unique(np.asarray(t[0]))) > 10  # starts differ across episodes
 
 
-def test_auto_reset_replaces_only_done_episodes_and_keeps_kelly_stats():
+def test_auto_reset_replaces_only_done_episodes_and_restarts_their_kelly_stats():
     params = make(n_envs=2)
     state = E.reset_at(params, jnp.array([3, 3]), jnp.array([5, 5])).replace(
-        n_trades=jnp.array([7, 7]), position=jnp.array([1.0, 1.0]))
+        n_trades=jnp.array([7, 7]), n_wins=jnp.array([4, 4]),
+        sum_win=jnp.array([2.0, 2.0]), sum_loss=jnp.array([1.0, 1.0]),
+        position=jnp.array([1.0, 1.0]))
     new = E.auto_reset(params, state, jnp.array([True, False]), jax.random.key(1))
-    assert float(new.position[0]) == 0 and int(new.n_trades[0]) == 7
+    assert float(new.position[0]) == 0 and int(new.n_trades[0]) == 0
+    assert int(new.n_wins[0]) == 0 and float(new.sum_win[0]) == 0 == float(new.sum_loss[0])
     assert float(new.position[1]) == 1 and int(new.t[1]) == 3
+    assert int(new.n_trades[1]) == 7 and float(new.sum_win[1]) == 2.0  # running: untouched
     assert int(new.last[0]) == int(new.t[0]) + 3
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +128,39 @@ def test_reset_never_reads_outside_window_even_when_not_reset():
         state, _, _, info = step(params, state, jnp.full((4, 4), 2, jnp.int32),
                                     E.PolicyAux.zeros(4))
         assert int(info["bar"].max()) <= 29
+
+
+def test_decisions_across_auto_resets_ignore_later_bars():
+    """Training episodes auto-reset to random starts, often before bars an earlier episode
+    traded at. Nothing an episode carries over may let a decision at bar t depend on bars > t:
+    with the Kelly factor active after 2 trades (and a floor of 0.01, so it moves sizes), every
+    size and position decided at a bar ≤ CUT is bitwise the same when all bars after CUT change.
+    """
+    cfg = EnvConfig(n_envs=8, episode_length=12, spread_ticks=1, commission=1.0,
+                    sizing=SizingConfig(kelly_min_trades=2, kelly_floor=0.01))
+
+    def run(arrays):
+        params = E.make_params(*arrays, cfg, state_width=W)
+        state = E.reset(params, jax.random.key(3))
+        rows = []
+        for i in range(60):
+            obs = E.observe(params, state)
+            action, aux = obs_policy(obs)
+            t = np.asarray(state.t)
+            state, _, done, info = E.step(params, state, action, aux)
+            rows.append((t, {k: np.asarray(info[k]) for k in
+                             ("size_scale", "size_kelly", "target_position", "position")}))
+            state = E.auto_reset(params, state, done, jax.random.key(100 + i))
+        return rows
+
+    a, b = run(bars()), run(perturbed_after(CUT))
+    resets_to_earlier = 0
+    for (t_a, ia), (t_b, ib) in zip(a, b, strict=True):
+        np.testing.assert_array_equal(t_a, t_b)  # starts come from the key, not the data
+        early = t_a <= CUT - 1  # decided and (next-open) filled by CUT
+        for k in ia:
+            np.testing.assert_array_equal(ia[k][early], ib[k][early], err_msg=k)
+    for (t0, _), (t1, _) in itertools.pairwise(a):
+        resets_to_earlier += int(np.sum((t0 > CUT) & (t1 <= CUT - 1)))
+    assert resets_to_earlier > 0  # the scenario that leaked really happens
+    assert any(np.any(i["size_kelly"] < 1.0) for _, i in a)  # and the Kelly factor is active

@@ -121,3 +121,31 @@ def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
     for a, b in zip(jax.tree.leaves(final.best_params), jax.tree.leaves(at_best.params),
                     strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser(tmp_path,
+                                                                                  monkeypatch):
+    """Every validation backtest runs on exactly its fold's validation window with features
+    normalised on that fold's train window; the test backtest runs on exactly the test window
+    with the last fold's train-window normaliser (never one fitted on the evaluated data)."""
+    calls = []
+    real = job_lib.evaluate_params
+
+    def spy(cfg, p, env_params, params, lo, hi):
+        calls.append((int(lo), int(hi), np.asarray(env_params.features), bool(env_params.training),
+                      (int(env_params.lo), int(env_params.hi))))
+        return real(cfg, p, env_params, params, lo, hi)
+
+    monkeypatch.setattr(job_lib, "evaluate_params", spy)
+    cfg = tiny_config("train.epochs_per_fold=1", "logging.tensorboard=false")
+    job_lib.run_job(cfg, tmp_path, quiet=True)
+    p = job_lib.prepare(cfg)
+    n_folds = len(p.plan.folds)
+    assert len(calls) == n_folds + 1  # one validation per fold (one epoch each), one test
+    for f, (lo, hi, feats, training, window) in enumerate(calls[:n_folds]):
+        assert (lo, hi) == p.plan.folds[f].val == window and not training
+        assert np.array_equal(feats, np.asarray(job_lib.fold_env_params(cfg, p, f).features))
+    lo, hi, feats, training, window = calls[-1]
+    assert (lo, hi) == p.plan.test == window and not training
+    last = np.asarray(job_lib.fold_env_params(cfg, p, n_folds - 1).features)
+    assert np.array_equal(feats, last)

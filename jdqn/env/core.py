@@ -294,11 +294,12 @@ def reset(params: EnvParams, key: jax.Array) -> EnvState:
 
 
 def auto_reset(params: EnvParams, state: EnvState, done: jax.Array, key: jax.Array) -> EnvState:
-    """Replace finished episodes (``done`` bool [N]) by fresh ones; Kelly statistics are kept
-    (they describe the policy's realised trading, not one episode)."""
+    """Replace finished episodes (``done`` bool [N]) by fresh ones, Kelly statistics included.
+
+    The Kelly statistics restart with each episode, as in the backtest: a new episode starts at
+    a random bar, often *before* bars where the previous one traded, so carrying its closed
+    trades over would size decisions at bar t with outcomes from bars after t (lookahead)."""
     fresh = reset(params, key)
-    fresh = fresh.replace(n_trades=state.n_trades, n_wins=state.n_wins, sum_win=state.sum_win,
-                          sum_loss=state.sum_loss)
     return jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, state)
 
 

@@ -10,8 +10,11 @@ pre-test span is cut into ``n_folds`` consecutive **validation** blocks; fold ``
     |warm-up| train₂ ............................. |purge|val₂| |purge| test |
 
 Every window is half-open ``[lo, hi)`` in bar indices. An episode never reads a bar outside its
-window, so train, validation and test never share a bar (the purge gap additionally keeps
-overlapping feature look-back windows out of the next window).
+window, so train, validation and test never share a bar. The purge gap is a margin between
+windows, not a look-back cut: features are causal, and a validation row's feature look-back
+(up to ~165 bars at the defaults, longer for the EMA-type features) may reach back into the
+train span, which is past data at that row — no leak. Nothing of the evaluated windows reaches
+training or the normaliser (tests/test_folds.py).
 """
 
 from __future__ import annotations
