@@ -171,15 +171,27 @@ def random_mbp10(rng: np.random.Generator, n: int, seconds: float, t0: int = T0,
             "ask_sz": rng.integers(1, 200, (n, 10)).astype(np.int64)}
 
 
+def _event_times(ts: np.ndarray) -> np.ndarray:
+    """``ts_event`` for records *received* at ``ts`` (``ts_recv``): 0–2 s earlier, varying by
+    record. Real feeds stamp the event before its receipt; making the two differ lets the
+    lookahead tests tell a reader that bins by ``ts_recv`` (when the data was known) from one
+    that bins by ``ts_event`` (which would put late-arriving records into bars that had already
+    closed)."""
+    lag = (np.arange(ts.shape[0], dtype=np.int64) * 7919 % 2000) * (NS // 1000)  # 0–1.999 s
+    return np.maximum(ts.astype(np.int64) - lag, 0)
+
+
 def mbp10_records(raw: dict[str, np.ndarray], instrument_id: int = 1) -> list:
     recs = []
     px = _px(raw["price"])
+    events = _event_times(raw["ts"])
     for i in range(raw["ts"].shape[0]):
         levels = [dbn.BidAskPair(bid_px=int(raw["bid_px"][i, m]), ask_px=int(raw["ask_px"][i, m]),
                                  bid_sz=int(raw["bid_sz"][i, m]), ask_sz=int(raw["ask_sz"][i, m]))
                   for m in range(10)]
         t = int(raw["ts"][i])
-        recs.append(dbn.MBP10Msg(publisher_id=1, instrument_id=instrument_id, ts_event=t,
+        recs.append(dbn.MBP10Msg(publisher_id=1, instrument_id=instrument_id,
+                                 ts_event=int(events[i]),
                                  price=int(px[i]), size=int(raw["size"][i]),
                                  action=_ACTIONS[str(raw["action"][i])],
                                  side=_SIDES[str(raw["side"][i])], depth=0, ts_recv=t, flags=0,
@@ -190,10 +202,11 @@ def mbp10_records(raw: dict[str, np.ndarray], instrument_id: int = 1) -> list:
 def trade_records(raw: dict[str, np.ndarray], instrument_id: int = 1) -> list:
     px = _px(raw["price"])
     side = raw.get("side", np.full(raw["ts"].shape[0], "N"))
-    return [dbn.TradeMsg(publisher_id=1, instrument_id=instrument_id, ts_event=int(t),
+    return [dbn.TradeMsg(publisher_id=1, instrument_id=instrument_id, ts_event=int(e),
                          price=int(p), size=int(s), action=dbn.Action.TRADE,
                          side=_SIDES[str(sd)], depth=0, ts_recv=int(t))
-            for t, p, s, sd in zip(raw["ts"], px, raw["size"], side, strict=True)]
+            for t, e, p, s, sd in zip(raw["ts"], _event_times(raw["ts"]), px, raw["size"], side,
+                                      strict=True)]
 
 
 def ohlcv_records(raw: dict[str, np.ndarray], instrument_id: int = 1) -> list:
