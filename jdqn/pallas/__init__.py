@@ -24,6 +24,7 @@ The MoE mixture is not a fused kernel in this version: XLA's own fusions run it 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 Array = jax.Array
 
@@ -66,12 +67,12 @@ def c51_terms(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
         return c51_loss.c51_terms_pallas(taken, nxt, tz, v_min, v_max,
                                          jax.default_backend() != "gpu")
     z = taken.shape[-1]
-    support = jax.numpy.linspace(v_min, v_max, z, dtype=taken.dtype)
+    support = jnp.linspace(v_min, v_max, z, dtype=taken.dtype)
     probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1))
     target = jax.lax.stop_gradient(project_uniform(jax.lax.stop_gradient(tz), probs, v_min,
                                                    v_max, impl))
     logp = jax.nn.log_softmax(taken, axis=-1)
-    ce = -jax.numpy.sum(target * logp, axis=-1)
-    tm = jax.numpy.sum(target * support, axis=-1)
-    q = jax.numpy.sum(jax.numpy.exp(logp) * support, axis=-1)
-    return jax.numpy.square(q - tm), ce, tm
+    ce = -jnp.sum(target * logp, axis=-1)
+    tm = jnp.sum(target * support, axis=-1)
+    q = jnp.sum(jnp.exp(logp) * support, axis=-1)
+    return jnp.square(q - tm), ce, tm
