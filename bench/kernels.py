@@ -9,6 +9,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py                 # GPU (the Pallas kernel needs one)
     python bench/kernels.py --batch 2048    # smaller; on CPU the Pallas row is skipped
     python bench/kernels.py --kernel c51_loss   # the fused C51 loss terms, forward + backward
+    python bench/kernels.py --kernel iqn        # the fused IQN stack (forward), tile sweep
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import sys
 import time
@@ -64,15 +66,16 @@ def twohot(tz, probs, v_min, v_max):
     return jnp.sum(w[:, None] * probs[:, :, None, :], axis=-1)
 
 
-def pallas(tz, probs, v_min, v_max):
-    return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max)
+def pallas_rows(tz, probs, v_min, v_max):
+    return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max, layout="rows")
 
 
-def pallas_lanes(tz, probs, v_min, v_max):
+def pallas_lanes(tz, probs, v_min, v_max):  # the default layout
     return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max, layout="lanes")
 
 
-VARIANTS = {"xla_reference": project_uniform, "pallas": pallas, "pallas_lanes": pallas_lanes,
+VARIANTS = {"xla_reference": project_uniform, "pallas_lanes": pallas_lanes,
+            "pallas_rows": pallas_rows,
             "xla_unrolled": unrolled, "xla_einsum": einsum, "xla_twohot": twohot}
 
 
@@ -118,9 +121,51 @@ def bench_c51_loss(b: int, d: int, z: int, reps: int) -> dict:
     return results
 
 
+def bench_iqn(b: int, reps: int, dtype: str) -> dict:
+    """The IQN dense stack (forward only, as the target network runs it) at the default model
+    sizes: the plain-JAX stack vs the fused kernel over a few tile shapes."""
+    from jdqn.networks.heads import iqn_features
+    from jdqn.pallas import iqn as iqn_kernel
+
+    q, h, m, f, o = 8, 256, 64, 128, 14
+    k = jax.random.split(jax.random.key(0), 8)
+    act = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    args = (jax.random.normal(k[0], (b, h)).astype(act), jax.random.uniform(k[1], (b, q)),
+            jax.random.normal(k[2], (m, h)) / 8, jax.random.normal(k[3], (h,)) * 0.1,
+            jax.random.normal(k[4], (h, f)) / 16, jax.random.normal(k[5], (f,)) * 0.1,
+            jax.random.normal(k[6], (f, o)) / 11, jax.random.normal(k[7], (o,)) * 0.1)
+    fns = {"xla_reference": lambda *a: iqn_features(*a, dtype)}
+    if jax.default_backend() == "gpu":
+        for rows, chunk, warps in [(64, 64, None), (32, 64, None), (128, 64, 8),
+                                   (64, 128, 8), (32, 32, None)]:
+            fns[f"pallas_r{rows}_c{chunk}_w{warps or 'def'}"] = functools.partial(
+                lambda *a, r, c, w: iqn_kernel._forward(*a, dtype, False, r, c, w),
+                r=rows, c=chunk, w=warps)
+    ref = jax.jit(fns["xla_reference"])(*args)
+    results = {}
+    for name, fn in fns.items():
+        try:
+            one = jax.jit(fn)
+            a1, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
+            loop = jax.jit(lambda x, *rest, fn=fn: jax.lax.fori_loop(
+                0, reps, lambda i, acc: acc + jnp.sum(fn((x + 1e-3 * i).astype(x.dtype), *rest)),
+                0.0))
+            jax.block_until_ready(loop(*args))
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(*args))
+            results[name] = {"us": round(1e6 * (time.perf_counter() - t0) / reps, 1),
+                             "max_abs_diff": float(jnp.max(jnp.abs(a1 - ref))),
+                             "max_abs_ref": float(jnp.max(jnp.abs(ref))),
+                             "bitwise_repeat": bool(jnp.array_equal(a1, a2))}
+        except Exception as e:  # noqa: BLE001 — a tile shape Triton rejects is a result too
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(dtype, name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    return {"batch": b, "quantiles": q, "dtype": dtype, "results": results}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss"), default="c51_projection")
+    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn"), default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
     ap.add_argument("--atoms", type=int, default=51)
@@ -131,6 +176,11 @@ def main() -> None:
     meta = {"batch": b, "branches": d, "atoms": z,
             "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    if args.kernel == "iqn":
+        print(json.dumps({"bench": "kernels", "kernel": "iqn",
+                          "float32": bench_iqn(b, args.reps, "float32"),
+                          "bfloat16": bench_iqn(b, args.reps, "bfloat16"), **meta}))
+        return
     if args.kernel == "c51_loss":
         print(json.dumps({"bench": "kernels", "kernel": "c51_loss",
                           "results": bench_c51_loss(b, d, z, args.reps), **meta}))
