@@ -126,8 +126,9 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
     assert pallas.use_pallas("auto", "projection")
-    assert "c51_loss" not in pallas.GPU_VALIDATED
-    assert not pallas.use_pallas("auto", "c51_loss")  # not measured on the GPU yet
+    for slower in ("c51_loss", "iqn"):  # measured on the H200: slower in the update than XLA
+        assert slower not in pallas.GPU_VALIDATED
+        assert not pallas.use_pallas("auto", slower)
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "cpu")
     assert not pallas.use_pallas("auto", "projection")
@@ -176,3 +177,101 @@ def test_total_loss_and_gradients_agree_between_pallas_and_xla():
     for g_p, g_x in zip(jax.tree.leaves(results["pallas"][2]), jax.tree.leaves(results["xla"][2]),
                         strict=True):
         np.testing.assert_allclose(g_p, g_x, rtol=1e-4, atol=1e-6)
+
+
+def _iqn_args(b, q, h, m, f, o, dtype=jnp.float32, seed=0):
+    k = jax.random.split(jax.random.key(seed), 8)
+    return (jax.random.normal(k[0], (b, h)).astype(dtype), jax.random.uniform(k[1], (b, q)),
+            jax.random.normal(k[2], (m, h)) / np.sqrt(m), jax.random.normal(k[3], (h,)) * 0.1,
+            jax.random.normal(k[4], (h, f)) / np.sqrt(h), jax.random.normal(k[5], (f,)) * 0.1,
+            jax.random.normal(k[6], (f, o)) / np.sqrt(f), jax.random.normal(k[7], (o,)) * 0.1)
+
+
+# (B, Q, H, M, F, O): the default head at a small batch (B not a multiple of the tile), odd sizes
+# that pad every axis, Q = 1, and H wider than one column chunk.
+IQN_SHAPES = [(70, 8, 256, 64, 128, 14), (5, 3, 20, 7, 9, 5), (33, 1, 32, 16, 16, 16),
+              (2, 5, 160, 12, 40, 3)]
+
+
+@pytest.mark.parametrize("shape", IQN_SHAPES)
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_iqn_kernel_matches_the_plain_jax_stack(shape, matmul_dtype):
+    from jdqn.networks.heads import iqn_features
+    from jdqn.pallas.iqn import iqn_features_pallas
+
+    dtype = jnp.bfloat16 if matmul_dtype == "bfloat16" else jnp.float32
+    args = _iqn_args(*shape, dtype=dtype, seed=sum(shape))
+    got = iqn_features_pallas(*args, matmul_dtype, True)
+    want = iqn_features(*args, matmul_dtype)
+    assert got.shape == want.shape == shape[:2] + (shape[-1],)
+    assert got.dtype == want.dtype == jnp.float32
+    # float32: the same products summed in column chunks; bf16: the same roundings, where a
+    # chunked float32 sum may land on the other side of a bf16 rounding boundary.
+    tol = 1e-5 if matmul_dtype == "float32" else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol * (1 + float(jnp.max(jnp.abs(want)))))
+
+
+def test_iqn_kernel_gradient_is_the_plain_jax_gradient():
+    from jdqn.networks.heads import iqn_features
+    from jdqn.pallas.iqn import iqn_features_pallas
+
+    args = _iqn_args(*IQN_SHAPES[1])
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(3.0 * fn(*a)))
+
+    got = jax.grad(loss(lambda *a: iqn_features_pallas(*a, "float32", True)),
+                   argnums=tuple(range(8)))(*args)
+    want = jax.grad(loss(lambda *a: iqn_features(*a, "float32")), argnums=tuple(range(8)))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        assert float(jnp.max(jnp.abs(w))) > 0  # every input gets a real gradient
+
+
+def test_iqn_kernel_under_vmap_over_seeds():
+    from jdqn.pallas.iqn import iqn_features_pallas
+
+    per_seed = [_iqn_args(*IQN_SHAPES[1], seed=s) for s in range(3)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_seed)
+    got = jax.vmap(lambda *a: iqn_features_pallas(*a, "float32", True))(*stacked)
+    for s, args in enumerate(per_seed):
+        np.testing.assert_array_equal(got[s], iqn_features_pallas(*args, "float32", True))
+
+
+def test_iqn_kernel_refuses_other_dtypes_and_empty_batches():
+    from jdqn.pallas.iqn import iqn_features_pallas
+
+    args = _iqn_args(*IQN_SHAPES[1])
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        iqn_features_pallas(args[0].astype(jnp.float16), *args[1:], "float32", True)
+    with pytest.raises(ValueError, match="empty batch"):
+        iqn_features_pallas(args[0][:0], args[1][:0], *args[2:], "float32", True)
+
+
+def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypatch):
+    """``impl = "pallas"``: the target network's quantiles (``grad_free=True``) come from the
+    fused kernel, the online ones (differentiated) from XLA; both equal the XLA network."""
+    from jdqn.pallas import iqn as iqn_module
+
+    calls = []
+    real = iqn_module.iqn_features_pallas
+    monkeypatch.setattr(iqn_module, "iqn_features_pallas",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8)
+    obs = jax.random.normal(jax.random.key(1), (9, 24))
+    taus = jax.random.uniform(jax.random.key(2), (9, 4))
+    xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+    params = init_params(xla_net, jax.random.key(0), 24)
+    want = xla_net.apply(params, obs, taus).quantiles
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
+    online = net.apply(params, obs, taus).quantiles
+    assert calls == []
+    target = net.apply(params, obs, taus, grad_free=True).quantiles
+    assert calls == [(9, 32)]
+    for a, b, c in zip(online, target, want, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_allclose(b, c, atol=1e-5)
+    calls.clear()
+    xla_net.apply(params, obs, taus, grad_free=True)
+    assert calls == []  # impl = "xla" never takes a kernel

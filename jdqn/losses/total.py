@@ -98,7 +98,8 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
         online = net.apply(params, batch.obs, taus)
         online_next = net.apply(params, batch.next_obs)
     online_next = jax.lax.stop_gradient(online_next)
-    target = jax.lax.stop_gradient(net.apply(target_params, batch.next_obs, taus_prime))
+    target = jax.lax.stop_gradient(net.apply(target_params, batch.next_obs, taus_prime,
+                                             grad_free=True))
 
     td = branching_td_loss_batch(online.logits, batch.action, batch.reward, batch.discount,
                                  target.logits, online_next.q, cfg.v_min, cfg.v_max,

@@ -29,7 +29,6 @@ from jdqn.networks.trunk import (
     DenseParams,
     act_dtype,
     add_bias,
-    dense,
     matmul,
     mul_f32,
     wide_dtype,
@@ -163,6 +162,20 @@ def cosine_embedding(taus: Array, n_basis: int) -> Array:
     return jnp.cos(jnp.pi * i * taus[..., None])
 
 
+def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array, w2: Array,
+                 b2: Array, matmul_dtype: str) -> Array:
+    """The IQN head's dense stack, plain JAX (the reference of the fused kernel
+    :mod:`jdqn.pallas.iqn`): ``out[b, q] = W2·relu(W1·(h_b ⊙ relu(We·cos(π i τ_bq) + be)) + b1)
+    + b2``. h [B, H], taus [B, Q] → [B, Q, O] (float32, or the input dtype), under the precision
+    policy of :mod:`jdqn.networks.trunk`."""
+    md = matmul_dtype
+    emb = cosine_embedding(taus.astype(wide_dtype(md, h)), we.shape[0])  # [B, Q, M]
+    phi = nn.relu(add_bias(matmul(emb, we, md, act_dtype(md, emb)), be))  # [B, Q, H]
+    x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
+    hid = nn.relu(add_bias(matmul(x, w1, md, act_dtype(md, x)), b1))
+    return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2)  # [B, Q, O]
+
+
 class IQNHead(nn.Module):
     """Implicit quantile head: ``φ(τ) = ReLU(Dense_H(cos(π i τ)))``, feature ``h ⊙ φ(τ)``,
     then a dueling per-branch output ``Dense(hidden) → ReLU → Dense(1 + Σ A_d)``.
@@ -170,22 +183,32 @@ class IQNHead(nn.Module):
     (h [B, H], taus [B, Q]) → tuple of quantile values ``[B, A_d, Q]``. The IQN branches read
     the trunk feature only (no direction/flow conditioning): the head is an auxiliary
     distributional loss that shapes the shared trunk.
+
+    ``fused=True`` runs the dense stack as one Pallas kernel (:mod:`jdqn.pallas.iqn`: the
+    ``[B·Q, H]`` intermediates never reach device memory). Its backward pass recomputes through
+    the plain-JAX stack, so the caller asks for it where no gradient is taken (the target
+    network's quantiles at s′); the result is the same function either way.
     """
 
     branch_sizes: tuple[int, ...]
     n_basis: int
     hidden: int
     matmul_dtype: str = "float32"
+    fused: bool = False
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
-        md = self.matmul_dtype
-        emb = cosine_embedding(taus.astype(wide_dtype(md, h)), self.n_basis)  # [B, Q, M]
-        phi = nn.relu(dense(emb, h.shape[-1], md, "tau_embed"))  # [B, Q, H]
-        x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
-        hid = nn.relu(dense(x, self.hidden, md, "fc"))
-        out = dense(hid, 1 + sum(self.branch_sizes), md, "out", wide=True)  # [B, Q, 1+ΣA]
-        value, adv = out[..., :1], out[..., 1:]
+        we, be = DenseParams(self.n_basis, h.shape[-1], name="tau_embed")()
+        w1, b1 = DenseParams(h.shape[-1], self.hidden, name="fc")()
+        w2, b2 = DenseParams(self.hidden, 1 + sum(self.branch_sizes), name="out")()
+        if self.fused:
+            from jdqn.pallas.iqn import iqn_features_pallas
+
+            out = iqn_features_pallas(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
+                                      jax.default_backend() != "gpu")
+        else:
+            out = iqn_features(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype)
+        value, adv = out[..., :1], out[..., 1:]  # [B, Q, 1+ΣA]
         result, start = [], 0
         for a in self.branch_sizes:
             adv_d = adv[..., start:start + a]  # [B, Q, A_d]

@@ -35,6 +35,7 @@ from jdqn.networks.heads import (
     q_variance,
 )
 from jdqn.networks.trunk import Trunk
+from jdqn.pallas import use_pallas
 
 Array = jax.Array
 
@@ -50,18 +51,22 @@ class NetOutput(NamedTuple):
 
 
 class BranchingQNetwork(nn.Module):
-    """``apply(params, obs [B, W], taus [B_τ, Q] | None) -> NetOutput``.
+    """``apply(params, obs [B, W], taus [B_τ, Q] | None, grad_free=False) -> NetOutput``.
 
     ``taus`` may cover only the first ``B_τ ≤ B`` rows of ``obs``: the loss runs one forward over
     the concatenated ``[s; s′]`` batch and needs quantiles at ``s`` only. ``flow_idx`` are the
-    static column indices of the order-flow features in the observation.
+    static column indices of the order-flow features in the observation. ``grad_free=True``
+    declares that no gradient will be taken through this call (the target network): it may then
+    use kernels whose backward pass is a recomputation (the fused IQN stack, when
+    ``cfg.impl`` selects it); the values are the same function either way.
     """
 
     cfg: ModelConfig
     flow_idx: tuple[int, ...] = ()
 
     @nn.compact
-    def __call__(self, obs: Array, taus: Array | None = None) -> NetOutput:
+    def __call__(self, obs: Array, taus: Array | None = None,
+                 grad_free: bool = False) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
                       c.matmul_dtype, name="trunk")(obs)
@@ -73,8 +78,9 @@ class BranchingQNetwork(nn.Module):
         if taus is not None:
             if not c.iqn:
                 raise ValueError("taus given but ModelConfig.iqn is false (no IQN head)")
+            fused = grad_free and use_pallas(c.impl, "iqn")
             quantiles = IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
-                                name="iqn")(trunk.h[: taus.shape[0]], taus)
+                                fused, name="iqn")(trunk.h[: taus.shape[0]], taus)
         return NetOutput(
             logits=logits,
             q=tuple(expected_q(lg, support) for lg in logits),

@@ -23,9 +23,12 @@ padded to powers of two; padded atoms carry logit ``−1e30`` (probability 0) an
 of every sum. Outputs ``sq``, ``ce``, ``tm`` come back as ``[B, Dp]`` tiles and the target ``m``
 as ``[B, Dp·Zp]`` (the residual of the backward pass).
 
-Status: tested in Pallas' interpreter against the oracle (values and gradients); ``impl =
-"pallas"`` selects it, ``"auto"`` does not until it has been measured on the GPU
-(:data:`jdqn.pallas.GPU_VALIDATED`).
+Status: tested in Pallas' interpreter against the oracle (values and gradients). Measured on
+the H200 at B = 16384 (``bench/results/kernels_h200_c51_loss.json``): 358 µs forward + backward
+against 524 µs for the XLA reference alone, bitwise repeatable — but the whole update is slower
+with it (4.47 vs 4.27 ms float32), because XLA fuses the reference's tail into the kernels
+around it and the custom call breaks those fusions. So ``impl = "pallas"`` selects it and
+``"auto"`` does not (:data:`jdqn.pallas.GPU_VALIDATED`).
 """
 
 from __future__ import annotations
