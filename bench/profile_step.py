@@ -147,7 +147,7 @@ def main() -> None:
                  "train.min_replay=2000", "train.collect_steps=8"]
     cfg = load_config(args.config, sets + args.sets)
     cfg = config_from_dict(apply_overrides(to_dict(cfg), [f"train.batch_size={args.batch}"]))
-    updates, one, _ = train_bench.filled_update_loop(cfg, args.updates)
+    updates, one = train_bench.filled_update_loop(cfg, args.updates)
     jax.block_until_ready(updates(one))
     t = time.perf_counter()
     jax.block_until_ready(updates(one))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 
+import jdqn.pallas
 from jdqn.config import apply_overrides, config_from_dict, load_config
 from jdqn.train import epoch as epoch_lib
 from jdqn.train import job as job_lib
@@ -80,32 +81,17 @@ def filled_update_loop(cfg, n_updates: int):
 
         return jax.lax.scan(body, st, None, length=n_updates)
 
-    return updates, fill(jax.tree.map(lambda x: x[0], state)), (learner, env_params, fold)
-
-
-def step_cost(learner, env_params, fold, state) -> dict:
-    """XLA's own cost model for **one** compiled ``train_step`` (not the scan: the cost analysis
-    of a while loop does not multiply by its trip count): FLOPs and bytes read + written to
-    device memory by its kernels as fused for this backend. ``bytes / bandwidth`` is the time
-    the step cannot go under with this fusion structure."""
-    step = jax.jit(lambda s: epoch_lib.train_step(learner, s, env_params, fold))
-    cost = step.lower(state).compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-        cost = cost[0] if cost else {}
-    cost = cost or {}
-    return {"xla_flops": float(cost.get("flops", float("nan"))),
-            "xla_bytes_accessed": float(cost.get("bytes accessed", float("nan")))}
+    return updates, fill(jax.tree.map(lambda x: x[0], state))
 
 
 def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
     cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
-    updates, one, ctx = filled_update_loop(cfg, n_updates)
+    updates, one = filled_update_loop(cfg, n_updates)
     jax.block_until_ready(updates(one))  # compile + warm-up
     sec = _time(lambda: updates(one), repeats)
     per = sec / n_updates
     return {"batch": batch, "ms_per_update": 1e3 * per, "updates_per_s": 1.0 / per,
-            "samples_per_s": batch / per, "replay_size": int(one.replay.size),
-            **step_cost(*ctx, one)}
+            "samples_per_s": batch / per, "replay_size": int(one.replay.size)}
 
 
 def bench_collect(cfg, repeats: int) -> dict:
@@ -175,8 +161,6 @@ def main() -> None:
                     "(\"complete\": false until the end)")
     args = ap.parse_args()
     if args.pallas_kernels is not None:
-        import jdqn.pallas
-
         jdqn.pallas.GPU_VALIDATED = frozenset(k for k in args.pallas_kernels.split(",") if k)
     if args.precision != "default":
         jax.config.update("jax_default_matmul_precision", args.precision)
@@ -194,7 +178,7 @@ def main() -> None:
     dev = jax.devices()[0]
     out = {
         "bench": "train", "config": Path(args.config).name, "quick": args.quick,
-        "sets": args.sets, "pallas_kernels": sorted(__import__("jdqn.pallas").pallas.GPU_VALIDATED),
+        "sets": args.sets, "pallas_kernels": sorted(jdqn.pallas.GPU_VALIDATED),
         "fuse_next_obs": base.model.fuse_next_obs,
         "matmul_dtype": args.dtype, "matmul_precision": args.precision,
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",

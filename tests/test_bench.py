@@ -14,11 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_train_bench_reports_updates_and_xla_cost(tmp_path):
+def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "train.py"), "--quick", "--batches", "64",
-         "--updates", "2", "--repeats", "1", "--skip-epoch", "--skip-collect",
+         "--repeats", "1", "--skip-epoch", "--skip-collect",
          "--pallas-kernels", "projection,iqn", "--out", str(out)],
         check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -27,11 +27,4 @@ def test_train_bench_reports_updates_and_xla_cost(tmp_path):
     assert printed["complete"] and printed["pallas_kernels"] == ["iqn", "projection"]
     (row,) = printed["updates"]
     assert row["batch"] == 64 and row["ms_per_update"] > 0
-    # XLA's cost model of one train step (on the CPU every dot is an op it counts; on the GPU
-    # cuBLAS calls are not): at least the useful matmul FLOPs of the batch, and
-    # at least the bytes of its observations.
-    from jdqn.config import ModelConfig
-    from jdqn.networks.model import train_flops_per_sample
-
-    assert row["xla_flops"] >= 0.5 * 64 * train_flops_per_sample(ModelConfig(), 128)
-    assert row["xla_bytes_accessed"] > 2 * 64 * 128 * 4
+    assert row["samples_per_s"] == pytest.approx(64 * row["updates_per_s"])

@@ -58,7 +58,9 @@ class BranchingQNetwork(nn.Module):
     static column indices of the order-flow features in the observation. ``grad_free=True``
     declares that no gradient will be taken through this call (the target network): it may then
     use kernels whose backward pass is a recomputation (the fused IQN stack, when
-    ``cfg.impl`` selects it); the values are the same function either way.
+    ``cfg.impl`` selects it); the values are the same function either way. Such a call
+    supports reverse-mode differentiation (``jax.grad``) but not forward mode (``jax.jvp``,
+    ``jax.jacfwd``: a ``custom_vjp`` has no JVP).
     """
 
     cfg: ModelConfig

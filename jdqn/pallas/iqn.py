@@ -25,10 +25,10 @@ float32 GEMMs) unless ``jax_default_matmul_precision`` asks for ``"highest"``; u
 Status: tested in Pallas' interpreter against the plain-JAX stack (values, gradients, padded
 and vmapped shapes). Measured on the H200 at B = 16384 (``bench/kernels.py --kernel iqn``,
 ``bench/results/kernels_h200_iqn.json``): 415–753 µs over tile shapes against 257 µs for XLA,
-whose cuBLAS matmuls run ~2× faster than Triton's on these small tiles, which outweighs the
-traffic the fusion saves; the update takes 4.45 vs 4.27 ms with it. So ``impl = "pallas"``
-selects it and ``"auto"`` does not (:data:`jdqn.pallas.GPU_VALIDATED`). A winning version
-needs Hopper's wgmma/TMA path (Pallas Mosaic GPU).
+whose cuBLAS matmuls (with their separate elementwise kernels) reach ~52 TFLOP/s against the
+kernel's ~32 — slower matmuls outweigh the traffic the fusion saves; the update takes 4.45 vs 4.27 ms with it. So ``impl = "pallas"``
+selects it and ``"auto"`` does not (:data:`jdqn.pallas.GPU_VALIDATED`). Hopper's wgmma/TMA
+path (Pallas Mosaic GPU) is the untried candidate for a version that wins.
 """
 
 from __future__ import annotations
@@ -50,10 +50,16 @@ def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
+# jax_default_matmul_precision values under which XLA's float32 matmuls may use TF32 (or less);
+# under any other value (e.g. "highest", "float32", "F32_F32_F32", "TF32_TF32_F32_X3") the
+# kernel computes in full float32, at least as precise as the XLA path.
+_FAST = (None, "default", "fastest", "high", "bfloat16", "tensorfloat32", "BF16_BF16_F32",
+         "TF32_TF32_F32")
+
+
 def _precision() -> jax.lax.Precision:
     p = jax.config.jax_default_matmul_precision
-    return (jax.lax.Precision.HIGHEST if p in ("highest", "float32", "tensorfloat32x3")
-            else jax.lax.Precision.DEFAULT)
+    return jax.lax.Precision.DEFAULT if p in _FAST else jax.lax.Precision.HIGHEST
 
 
 def _kernel(h_ref, t_ref, we_ref, be_ref, w1_ref, b1_ref, w2_ref, b2_ref, o_ref, *,
