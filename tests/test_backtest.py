@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,6 +51,22 @@ def test_buy_and_hold_with_zero_costs_reproduces_the_price_path_exactly():
     assert res.total_costs.sum() == 0
 
 
+def test_a_period_outside_the_params_window_is_backtested_on_its_own_bars():
+    """Params whose window is [0, 200) (e.g. a fold's training window), backtested on
+    [150, 350): every bar of the period is traded at its own prices, exactly as with params
+    built on that period (the env clamps fills to the params' window, so the backtest must
+    re-window them)."""
+    feats, o, h, lo_, c = bars(2)
+    cfg = zero_cost_cfg(MULT * o[151])
+    early = E.make_params(feats, o, h, lo_, c, cfg, lo=0, hi=200, state_width=W)
+    own = E.make_params(feats, o, h, lo_, c, cfg, lo=150, hi=350, state_width=W)
+    got = rollout(early, buy_and_hold_policy, jnp.int32(0), lo=150, hi=350)
+    want = rollout(own, buy_and_hold_policy, jnp.int32(0), lo=150, hi=350)
+    assert np.array_equal(got.bar, np.arange(151, 350))
+    np.testing.assert_array_equal(got.returns, want.returns)
+    assert np.count_nonzero(got.returns[60:]) > 100  # bars after 199 move (they froze before)
+
+
 def test_costs_reconcile_and_returns_compound_to_equity():
     feats, o, h, lo_, c = bars(1)
     cfg = EnvConfig(contract_multiplier=MULT, holding_cost=0.3)
@@ -87,6 +105,25 @@ def test_stride_evaluates_k_bar_bars_with_original_bar_indices():
     # Entry at the first open after bar lo, exit at the first open after the penultimate decision.
     exit_open = o[res.bar[-2] + 1]
     assert res.net_pnl.sum() == pytest.approx(MULT * (exit_open - o[lo + 1]), abs=1e-9)
+
+
+def test_stride_charges_holding_cost_per_original_bar_and_keeps_limit_expiry_in_time():
+    from jdqn.evaluate.backtest import strided_cfg
+
+    feats, o, h, lo_, c = bars(3)
+    cfg = dataclasses.replace(zero_cost_cfg(1e5), holding_cost=0.5)
+    params = E.make_params(feats, o, h, lo_, c, cfg, state_width=W)
+    lo, hi = 10, 311
+    held = {k: rollout(params, buy_and_hold_policy, jnp.int32(0), lo=lo, hi=hi, stride=k)
+            for k in (1, 5)}
+    # Holding one contract from the first to the last decision: the same time, the same cost.
+    bars_held = {k: int(np.sum(r.position != 0)) * k for k, r in held.items()}
+    for k, r in held.items():
+        assert r.total_costs.sum() == pytest.approx(0.5 * bars_held[k], rel=1e-9)
+    assert abs(bars_held[5] - bars_held[1]) < 5  # the k-bar grid ends up to k−1 bars earlier
+    s = strided_cfg(dataclasses.replace(cfg, limit_expiry=(1, 3, 10)), 4)
+    assert s.holding_cost == 2.0 and s.limit_expiry == (1, 1, 3)
+    assert strided_cfg(cfg, 1) is cfg
 
 
 def test_baselines_run_through_the_same_engine():

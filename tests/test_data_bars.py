@@ -50,6 +50,25 @@ def test_time_bar_contains_events_in_previous_close_to_own_close() -> None:
     assert b.bar_seconds == 60.0
 
 
+def test_volume_bar_seconds_leave_out_closures() -> None:
+    """Annualisation of event bars uses their spacing inside sessions: two 'sessions' of one
+    trade every 10 s (volume bars of 3 trades, one bar per 30 s) separated by a weekend-like
+    49-hour closure and a 1-hour break must give 30 s, not the whole-series mean (which counts
+    the closures: 30 s over trading time, thousands over calendar time)."""
+    session = np.arange(600) * 10 * NS  # 100 minutes of trades
+    ts = np.concatenate([T0 + session, T0 + session[-1] + 49 * 3600 * NS + session,
+                         T0 + session[-1] * 2 + 50 * 3600 * NS + session])
+    n = ts.shape[0]
+    b = ticks_to_bars(ts, np.full(n, 100.0), np.ones(n), bar_type="volume", threshold=3.0)
+    assert b.bar_seconds == pytest.approx(30.0)
+    whole = (b.ts[-1] - b.ts[0]) / NS / (len(b) - 1)
+    assert whole > 10 * b.bar_seconds  # what the whole-series mean would have said
+    # Slow trading that is not a closure (one bar per 20 min, the median) is kept.
+    slow = ticks_to_bars(T0 + np.arange(30) * 400 * NS, np.full(30, 1.0), np.ones(30),
+                         bar_type="volume", threshold=3.0)
+    assert slow.bar_seconds == pytest.approx(1200.0)
+
+
 def test_tick_rule_signs_carry_forward_and_side_overrides() -> None:
     price = np.array([5.0, 5.0, 6.0, 6.0, 5.5, 5.5, 7.0])
     np.testing.assert_array_equal(trade_signs(price, None), [0, 0, 1, 1, -1, -1, 1])

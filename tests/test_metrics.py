@@ -72,6 +72,10 @@ def test_periods_per_year_from_bar_size_and_sessions():
     assert M.periods_per_year(60, EvalConfig()) == 252 * 23 * 60
     assert M.periods_per_year(300, EvalConfig(session_hours=6.5)) == 252 * 6.5 * 12
     assert M.periods_per_year(60, EvalConfig(periods_per_year=1000.0)) == 1000.0
+    # A bar longer than a session is one period per session (a daily bar: 252 a year, not the
+    # 241.5 that 23 h / 24 h per session would give).
+    assert M.periods_per_year(86400, EvalConfig()) == 252
+    assert M.periods_per_year(86400, EvalConfig(stride=2)) == 126
     assert M.periods_per_year(60, EvalConfig(periods_per_year=1000.0, stride=4)) == 250.0
 
 

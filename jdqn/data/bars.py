@@ -26,9 +26,26 @@ import numpy as np
 from jdqn.errors import DataError
 
 NS = 1_000_000_000
+CLOSURE_GAP_S = 1800.0  # s: a longer gap between event bars (and > 50× the median) is a closure
 
 _UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "t": 60, "h": 3600, "hour": 3600, "d": 86400,
           "day": 86400}
+
+
+def event_bar_seconds(close_ts: np.ndarray) -> float:
+    """Mean spacing of volume/dollar bars **inside trading sessions**, for annualisation
+    (``periods_per_year = sessions_per_year · session_hours · 3600 / bar_seconds``, the same
+    convention as time bars). Closures — the daily maintenance break, nights of a day-session
+    market, weekends, holidays — are gaps longer than ``max(30 min, 50 × the median spacing)``
+    and are left out: counting them (the whole-series mean) would put trading-session seconds
+    over calendar seconds and understate every Sharpe by up to √1.5. One bar (or only closure
+    gaps) gives 1.0."""
+    gaps = np.diff(np.asarray(close_ts, np.int64)).astype(np.float64) / NS
+    if gaps.size == 0:
+        return 1.0
+    limit = max(CLOSURE_GAP_S, 50.0 * float(np.median(gaps)))
+    inside = gaps[gaps <= limit]
+    return float(inside.mean()) if inside.size and inside.mean() > 0 else 1.0
 
 
 def parse_bar_size(text: str) -> int:
@@ -187,11 +204,7 @@ def events_to_bars(ts: np.ndarray, price: np.ndarray, size: np.ndarray, sign: np
     buy = size * (sign.astype(np.float64) + 1.0) * 0.5  # sign 0 → half the volume each way
     volume = np.add.reduceat(size, starts)
     buy_volume = np.add.reduceat(buy, starts)
-    if bar_type == "time":
-        bar_seconds = bar_ns / NS
-    else:
-        span = (close_ts[-1] - close_ts[0]) / NS
-        bar_seconds = span / max(close_ts.shape[0] - 1, 1) if close_ts.shape[0] > 1 else 1.0
+    bar_seconds = bar_ns / NS if bar_type == "time" else event_bar_seconds(close_ts)
     return Bars(
         ts=close_ts.astype(np.int64),
         start_ts=ts[starts].astype(np.int64),

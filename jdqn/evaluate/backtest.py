@@ -16,7 +16,8 @@ opportunity cost) is not a cash flow and is not in the returns.
 With ``stride = k > 1`` the period is evaluated on k-bar bars: decisions every k-th bar
 (``lo, lo+k, …``), each k-bar bar has the first open after the previous decision, the max high,
 the min low and the close of its last bar. Annualise with ``periods_per_year(…)`` of an
-``EvalConfig`` whose ``stride = k``.
+``EvalConfig`` whose ``stride = k``. Costs stay per unit of time (:func:`strided_cfg`): the
+holding cost of a k-bar bar is k bars' worth and limit orders expire after the same time.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jdqn.config import EnvConfig
 from jdqn.env.core import (
     BRANCH_SIZES,
     EnvInputError,
@@ -41,6 +43,7 @@ from jdqn.env.core import (
     reset_at,
     step,
     validate_actions,
+    with_window,
 )
 
 
@@ -150,6 +153,18 @@ def _scan(params: EnvParams, policy_params: Any, start: jax.Array, last: jax.Arr
     return recs
 
 
+def strided_cfg(cfg: EnvConfig, stride: int) -> EnvConfig:
+    """The env config of a ``stride``-bar backtest, in its bars' units: the per-bar holding cost
+    is charged for the ``stride`` bars each k-bar bar spans, and a limit order waits the same
+    time (``⌈expiry / k⌉`` k-bar bars, at least one). Statistics measured over a number of
+    bars (the CVaR and churn windows) count k-bar bars."""
+    if stride == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg, holding_cost=cfg.holding_cost * stride,
+        limit_expiry=tuple(max(1, -(-e // stride)) for e in cfg.limit_expiry))
+
+
 def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *,
             lo: int | None = None, hi: int | None = None, n_windows: int = 1, stride: int = 1,
             key: jax.Array | None = None) -> BacktestResult:
@@ -177,12 +192,16 @@ def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *
         *arrays, bar_map = strided_arrays(*host, lo, hi, stride)
         if len(bar_map) < 2:
             raise EnvInputError(f"period [{lo}, {hi}) is too short for stride {stride}")
-        params = make_params(*arrays, params.cfg, lo=0, hi=len(bar_map), training=False,
+        params = make_params(*arrays, strided_cfg(params.cfg, stride), lo=0, hi=len(bar_map),
+                             training=False,
                              state_width=params.state_width,
                              portfolio_offset=params.portfolio_offset)
         lo, hi = 0, len(bar_map)
     else:
-        params = params.replace(training=jnp.asarray(False))
+        # The env clamps fills and episode ends to the params' own window, so the params must
+        # carry [lo, hi) itself (a backtest of a later period with the training window's params
+        # would otherwise replay the window's last bar with zero PnL).
+        params = with_window(params, lo, hi, training=False)
 
     m = hi - lo - 1
     n_win = max(1, min(int(n_windows), m))

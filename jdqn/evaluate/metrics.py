@@ -31,13 +31,17 @@ RETURN_KEYS = ("total_return", "annual_return", "annual_volatility", "sharpe", "
 
 
 def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> float:
-    """Evaluation periods per year for bars of ``bar_seconds``, corrected for ``eval_cfg.stride``."""
+    """Evaluation periods per year for bars of ``bar_seconds``, corrected for ``eval_cfg.stride``:
+    ``sessions_per_year × bars per session``, where a session holds
+    ``session_hours · 3600 / bar_seconds`` bars but never fewer than one (a daily bar is one
+    period per session, not 23/24 of one)."""
     if eval_cfg.periods_per_year > 0:
         base = float(eval_cfg.periods_per_year)
     else:
         if bar_seconds <= 0:
             raise ValueError(f"bar_seconds must be > 0, got {bar_seconds}")
-        base = eval_cfg.sessions_per_year * eval_cfg.session_hours * 3600.0 / float(bar_seconds)
+        per_session = max(1.0, eval_cfg.session_hours * 3600.0 / float(bar_seconds))
+        base = eval_cfg.sessions_per_year * per_session
     return base / eval_cfg.stride
 
 
