@@ -70,3 +70,43 @@ def test_returns_csv_reproduces_the_reported_sharpe(tmp_path, backtests):
         assert np.sqrt(ppy) * r.mean() / r.std(ddof=1) == pytest.approx(m["sharpe"], rel=1e-12)
         assert np.prod(1 + r) - 1 == pytest.approx(m["total_return"], rel=1e-12)
     assert report["baselines"]["flat"]["sharpe"] is None  # NaN → null in JSON
+
+
+def test_seed_summary_aggregates_per_seed_test_metrics(tmp_path, backtests):
+    from jdqn.evaluate import write_seed_summary
+
+    ts, strategy, baselines = backtests
+    r0 = write_report(tmp_path / "a", ts, strategy, baselines, [], 98_280.0)
+    r1 = write_report(tmp_path / "b", ts, baselines["random"], baselines, [], 98_280.0)
+    top = tmp_path / "a"
+    summary = write_seed_summary(top, [7, 9], [r0, r1])
+    assert json.loads((top / "seeds.json").read_text()) == summary
+    sharpes = [r0["test"]["sharpe"], r1["test"]["sharpe"]]
+    assert summary["test"]["7"]["sharpe"] == sharpes[0] and summary["test"]["9"]["sharpe"] == sharpes[1]
+    agg = summary["aggregate"]["sharpe"]
+    assert agg["mean"] == pytest.approx(np.mean(sharpes))
+    assert agg["std"] == pytest.approx(np.std(sharpes, ddof=1))
+    assert (agg["min"], agg["max"], agg["n"]) == (min(sharpes), max(sharpes), 2)
+    text = (top / "summary.md").read_text()
+    assert text.startswith("# Out-of-sample report") and "## Across seeds" in text
+    with pytest.raises(ValueError, match="≥ 2 seeds"):
+        write_seed_summary(top, [7], [r0])
+
+
+@pytest.mark.slow
+def test_multi_seed_job_writes_each_seeds_report_and_the_summary(tmp_path):
+    from helpers import tiny_config
+
+    from jdqn.train import job as job_lib
+
+    cfg = tiny_config("train.seeds=[0, 5]", "train.n_folds=1", "train.epochs_per_fold=1",
+                      "logging.tensorboard=false")
+    top = job_lib.run_job(cfg, tmp_path, quiet=True)
+    other = json.loads((tmp_path / "seeds" / "seed_5" / "report.json").read_text())
+    assert json.loads((tmp_path / "report.json").read_text()) == top
+    assert top["extra"]["seed"] == 0 and other["extra"]["seed"] == 5
+    assert top["test"]["sharpe"] != other["test"]["sharpe"]  # different seeds, different agents
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    assert summary["test"]["0"]["sharpe"] == top["test"]["sharpe"]
+    assert summary["test"]["5"]["sharpe"] == other["test"]["sharpe"]
+    assert summary["baselines"] == top["baselines"] == other["baselines"]

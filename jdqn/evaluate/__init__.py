@@ -8,10 +8,11 @@ from jdqn.evaluate.metrics import (
     periods_per_year,
     return_metrics,
 )
-from jdqn.evaluate.report import write_report
+from jdqn.evaluate.report import write_report, write_seed_summary
 
 __all__ = [
     "BASELINES", "BacktestResult", "PolicyContext", "action_distribution", "compute_metrics",
     "periods_per_year", "return_metrics", "rollout", "run_baselines", "strided_arrays",
     "write_report",
+    "write_seed_summary",
 ]

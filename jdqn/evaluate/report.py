@@ -145,6 +145,42 @@ def _plots(folder: Path, index: pd.Index, strategy: BacktestResult,
     plt.close(fig)
 
 
+def write_seed_summary(out_dir: str | Path, seeds: list[int] | tuple[int, ...],
+                       reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across-seed view of a multi-seed run: ``seeds.json`` with each seed's test metrics and
+    their mean, standard deviation (ddof = 1), min and max, and an "Across seeds" table appended
+    to ``summary.md`` (the top-level report is the first seed's; one seed's Sharpe says little
+    about a configuration, the spread over seeds says more). Returns the ``seeds.json`` content.
+    """
+    if len(seeds) != len(reports) or len(seeds) < 2:
+        raise ValueError(f"need one report per seed and ≥ 2 seeds, got {len(seeds)} seeds and "
+                         f"{len(reports)} reports")
+    out = Path(out_dir)
+    per_seed = {str(seed): {k: r["test"].get(k) for k in SUMMARY_KEYS}
+                for seed, r in zip(seeds, reports, strict=True)}
+    aggregate = {}
+    for k in SUMMARY_KEYS:
+        v = np.array([m[k] for m in per_seed.values() if m[k] is not None], np.float64)
+        aggregate[k] = ({"mean": float(v.mean()), "std": float(v.std(ddof=1)),
+                         "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+                        if v.size >= 2 else {"mean": None, "std": None, "min": None,
+                                             "max": None, "n": int(v.size)})
+    summary = _clean({"seeds": [int(x) for x in seeds], "test": per_seed,
+                      "aggregate": aggregate, "baselines": reports[0]["baselines"]})
+    (out / "seeds.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    lines = ["", "## Across seeds (test window)", "",
+             "| seed | " + " | ".join(SUMMARY_KEYS) + " |", "|---" * (len(SUMMARY_KEYS) + 1) + "|"]
+    for seed, m in per_seed.items():
+        lines.append(f"| {seed} | " + " | ".join(_fmt(m[k]) for k in SUMMARY_KEYS) + " |")
+    for stat in ("mean", "std"):
+        lines.append(f"| {stat} | " + " | ".join(_fmt(aggregate[k][stat]) for k in SUMMARY_KEYS)
+                     + " |")
+    lines += ["", "Per-seed reports: `seeds/seed_<s>/`; all seeds: `seeds.json`.", ""]
+    with (out / "summary.md").open("a") as f:
+        f.write("\n".join(lines))
+    return summary
+
+
 def _summary(path: Path, report: dict[str, Any]) -> None:
     rows = {"strategy": report["test"], **report["baselines"]}
     lines = ["# Out-of-sample report", "",

@@ -34,7 +34,7 @@ from jdqn.errors import CheckpointError
 from jdqn.evaluate.backtest import BacktestResult, rollout
 from jdqn.evaluate.baselines import run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year
-from jdqn.evaluate.report import write_report
+from jdqn.evaluate.report import write_report, write_seed_summary
 from jdqn.train import safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn
 from jdqn.train.folds import FoldPlan, plan_folds
@@ -234,6 +234,8 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
         }
         reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
                                     [fm[s] for fm in progress["fold_metrics"]], p.ppy, extra))
+    if len(seeds) > 1:
+        write_seed_summary(out, seeds, reports)
     return reports[0]
 
 
