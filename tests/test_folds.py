@@ -81,8 +81,8 @@ def test_each_fold_normalises_on_its_own_train_window_only():
 @pytest.mark.slow
 def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
     """One fold, patience 1: the fold ends at the first epoch whose validation Sharpe does not
-    beat the best so far (or after the last epoch). The parameters carried out of the fold are
-    those of the best-validation epoch, which the best-N checkpoint also holds."""
+    beat the best so far (or after the last epoch). The parameters carried to the test window
+    are those of the best-validation epoch, which the best-N checkpoint also holds."""
     from jdqn.train import checkpoint as ckpt_lib
     from jdqn.train.state import seed_keys
 
@@ -149,3 +149,49 @@ def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser
     assert (lo, hi) == p.plan.test == window and not training
     last = np.asarray(job_lib.fold_env_params(cfg, p, n_folds - 1).features)
     assert np.array_equal(feats, last)
+
+
+def test_the_next_fold_starts_from_the_best_validation_params():
+    """At a fold boundary the params that continue (shrunk and perturbed) are the fold's
+    best-by-validation params, not those of the epochs after its best."""
+    from jdqn.train.epoch import make_epoch_fn
+    from jdqn.train.state import seed_keys
+
+    cfg = tiny_config("train.iters_per_epoch=4", "train.shrink=1.0", "train.perturb=0.0")
+    p = job_lib.prepare(cfg)
+    keys = seed_keys(cfg.train.seeds)
+    env0 = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env0, 0, keys)
+    fn = make_epoch_fn(p.learner)
+    state, _ = fn(state, env0, jax.numpy.asarray(0))
+    state = job_lib._select_best(state, jax.numpy.asarray([True]))  # best = after epoch 1
+    best = jax.tree.map(np.asarray, state.best_params)
+    state, _ = fn(state, env0, jax.numpy.asarray(0))  # a worse epoch follows
+    last = jax.tree.map(np.asarray, state.params)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(best),
+                                                        jax.tree.leaves(last), strict=True))
+    nxt = job_lib._fold_state(p, state, job_lib.fold_env_params(cfg, p, 1), 1, keys)
+    for a, b, t in zip(jax.tree.leaves(nxt.params), jax.tree.leaves(best),
+                       jax.tree.leaves(nxt.target_params), strict=True):
+        assert np.array_equal(np.asarray(a), b) and np.array_equal(np.asarray(t), b)
+
+
+@pytest.mark.slow
+def test_a_seed_trains_the_same_alone_and_beside_other_seeds(tmp_path):
+    """Early stopping is per seed: a seed out of patience is frozen while the others go on, so
+    seed 0's run — epochs per fold, validation, test — is bitwise the one it has alone."""
+    common = ("train.epochs_per_fold=4", "train.patience=1", "train.n_folds=2",
+              "train.iters_per_epoch=4", "logging.tensorboard=false", "checkpoint.enabled=false")
+    alone = job_lib.run_job(tiny_config("train.seeds=[0]", *common), tmp_path / "a", quiet=True)
+    both = job_lib.run_job(tiny_config("train.seeds=[0, 1]", *common), tmp_path / "b",
+                           quiet=True)
+    other = json.loads((tmp_path / "b" / "seeds" / "seed_1" / "report.json").read_text())
+    for r in (alone, both, other):
+        r["extra"].pop("wall_seconds")
+        r["extra"].pop("seeds")
+    assert alone["folds"] == both["folds"] and alone["test"] == both["test"]
+    assert (tmp_path / "a" / "returns.csv").read_bytes() == (tmp_path / "b" / "returns.csv").read_bytes()
+    # The setting is one where the seeds stop at different epochs (else it proves nothing).
+    assert [f["epochs"] for f in both["folds"]] != [f["epochs"] for f in other["folds"]]
+    recs = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["training_seeds"] == [1] or r["training_seeds"] == [0] for r in recs)

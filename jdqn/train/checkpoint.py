@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -112,8 +113,12 @@ def _key_impls(state: PyTree) -> dict[str, str]:
 
 
 def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]) -> PyTree:
+    """Typed PRNG keys back from their saved key data; every array re-made *uncommitted* (as
+    a fresh run's arrays are: orbax returns arrays committed to a device, and committedness is
+    part of jit's cache key, so the first epoch after a resume would compile the whole program
+    a second time)."""
     flat_abs, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    flat_new = treedef.flatten_up_to(restored)
+    flat_new = [jnp.asarray(np.asarray(x)) for x in treedef.flatten_up_to(restored)]
     out = []
     for (p, a), x in zip(flat_abs, flat_new, strict=True):
         if _is_key(a):

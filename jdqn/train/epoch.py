@@ -269,12 +269,32 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     return state, {"collect": col_stats, "update": up, "n_updates": n_up}
 
 
+def select_seeds(mask: jax.Array, new: Any, old: Any) -> Any:
+    """Per seed, ``new`` where ``mask [S]`` is True and ``old`` elsewhere, leaf by leaf (leaves
+    carry the seed axis first; PRNG key leaves keep their key type)."""
+
+    def pick(n, o):
+        m = mask.reshape(mask.shape + (1,) * (n.ndim - 1))
+        if jax.dtypes.issubdtype(n.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(
+                jnp.where(m[..., None], jax.random.key_data(n), jax.random.key_data(o)),
+                impl=jax.random.key_impl(n))
+        return jnp.where(m, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
 @functools.cache
 def make_epoch_fn(learner: Learner):
-    """The jitted epoch over all seeds: ``(state [S], env_params, fold) -> (state, metrics)``.
+    """The jitted epoch over all seeds: ``(state [S], env_params, fold, active [S] | None) ->
+    (state, metrics)``.
 
     The state is donated; ``env_params`` (feature matrix, bars, window) is shared by the seeds.
     Metrics come back as per-seed means over the epoch (one device→host transfer per epoch).
+    ``active`` (bool per seed, traced: changing it never recompiles) freezes the seeds marked
+    False — their state comes back unchanged — so a seed that has stopped early does not move
+    while the others train: each seed's run is the same as if it were trained alone. Their
+    metrics are computed and must be ignored.
     """
     c = learner.cfg.train
 
@@ -295,4 +315,11 @@ def make_epoch_fn(learner: Learner):
         return state, out
 
     vm = jax.vmap(epoch_one, in_axes=(0, None, None))
-    return jax.jit(vm, donate_argnums=(0,))
+
+    def run(state: TrainState, env_params, fold, active: jax.Array | None = None):
+        new, out = vm(state, env_params, fold)
+        if active is not None:
+            new = select_seeds(active, new, state)
+        return new, out
+
+    return jax.jit(run, donate_argnums=(0,))

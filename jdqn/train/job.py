@@ -137,7 +137,8 @@ def _select_best(state: TrainState, improved: jax.Array) -> TrainState:
 def _fresh_progress(n_seeds: int) -> dict[str, Any]:
     return {"fold": 0, "epoch": -1, "fold_done": False, "global_epoch": 0,
             "best_val": [None] * n_seeds, "best_val_metrics": [None] * n_seeds,
-            "bad_epochs": [0] * n_seeds, "prev_q": None, "fold_metrics": []}
+            "bad_epochs": [0] * n_seeds, "epochs_trained": [0] * n_seeds, "prev_q": None,
+            "fold_metrics": []}
 
 
 @functools.cache
@@ -154,13 +155,16 @@ def _reset_fn(learner: Learner):
 
 def _fold_state(p: Prepared, state: TrainState | None, env_params: env_core.EnvParams,
                 fold: int, keys: jax.Array) -> TrainState:
-    """Fold 0: a fresh state. Later folds: the declarative reset policy over every leaf."""
+    """Fold 0: a fresh state. Later folds: each seed's best-by-validation params of the fold
+    just finished (the ones its test backtest would use, not those of the epochs after its best)
+    become its params, then the declarative reset policy runs over every leaf."""
     learner = p.learner
     fold_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1_000 + fold))(keys)
     fresh = _init_fn(learner)(fold_keys, env_params)
     if state is None:
         return fresh
     check_policy_covers(fold_reset_policy(learner.cfg.train), state)
+    state = state.replace(params=state.best_params)
     return _reset_fn(learner)(state, fresh)
 
 
@@ -168,6 +172,7 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     """Run (or resume) the whole job into ``out``; returns the report of the first seed."""
     t0 = time.perf_counter()
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     p = prepare(cfg)
     keys = seed_keys(cfg.train.seeds)
     epoch_fn = make_epoch_fn(p.learner)
@@ -255,23 +260,35 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
         if progress["fold"] != f or progress["fold_done"] or state is None:
             state = _fold_state(p, state, env_params, f, keys)
             progress.update(fold=f, epoch=-1, fold_done=False, best_val=[None] * n_seeds,
-                            best_val_metrics=[None] * n_seeds, bad_epochs=[0] * n_seeds)
+                            best_val_metrics=[None] * n_seeds, bad_epochs=[0] * n_seeds,
+                            epochs_trained=[0] * n_seeds)
         fold_arr = jnp.asarray(f, jnp.int32)
+        progress.setdefault("epochs_trained", [progress["epoch"] + 1] * n_seeds)  # old ckpts
         for e in range(progress["epoch"] + 1, tc.epochs_per_fold):
-            state, metrics = epoch_fn(state, env_params, fold_arr)
+            # A seed out of patience is frozen (its state does not move) while the others
+            # train on, so every seed's run is the one it would have alone.
+            active = [b < tc.patience for b in progress["bad_epochs"]]
+            state, metrics = epoch_fn(state, env_params, fold_arr, jnp.asarray(active))
             metrics, monitor = jax.device_get((metrics, state.monitor))
             safety.raise_if_halted(monitor, CHECKED_TENSORS)
             q_now = [float(x) for x in metrics["collect"]["q_abs_mean"]]
-            if tc.q_drift_halt and progress["prev_q"] is not None:
+            prev_q = progress["prev_q"] or [None] * n_seeds
+            if tc.q_drift_halt:
                 for s in range(n_seeds):
-                    safety.check_q_drift(progress["prev_q"][s], q_now[s], e,
-                                         floor=tc.q_drift_floor, fold=f)
-            progress["prev_q"] = q_now
+                    if active[s] and prev_q[s] is not None:
+                        safety.check_q_drift(prev_q[s], q_now[s], e, floor=tc.q_drift_floor,
+                                             fold=f)
+            progress["prev_q"] = [q if a else old for q, old, a in zip(q_now, prev_q, active,
+                                                                         strict=True)]
 
             val = [compute_metrics(evaluate_params(cfg, p, val_params, seed_slice(state.params, s),
                                                    *fold.val), p.ppy) for s in range(n_seeds)]
             improved = []
             for s in range(n_seeds):
+                if not active[s]:
+                    improved.append(False)
+                    continue
+                progress["epochs_trained"][s] += 1
                 sharpe = _rank(val[s]["sharpe"])
                 best = progress["best_val"][s]
                 better = best is None or sharpe > best
@@ -290,9 +307,13 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             if progress["fold_done"]:
                 progress["fold_metrics"].append([
                     {"fold": f, "train": list(fold.train), "val": list(fold.val),
-                     "epochs": e + 1, **(progress["best_val_metrics"][s] or {})}
+                     "epochs": progress["epochs_trained"][s],
+                     **(progress["best_val_metrics"][s] or {})}
                     for s in range(n_seeds)])
-            record = _epoch_record(f, e, metrics, val, tc.seeds)
+            if not all(active):  # diagnostics of the seeds that trained this epoch
+                rows = np.asarray(active)
+                metrics = jax.tree.map(lambda x, rows=rows: x[rows], metrics)
+            record = _epoch_record(f, e, metrics, val, tc.seeds, active)
             logger.log_epoch(record, progress["global_epoch"])
             if ckpt is not None:
                 ckpt.save(progress["global_epoch"], state,
@@ -320,13 +341,16 @@ def _mean(x: Any) -> Any:
 
 
 def _epoch_record(fold: int, epoch: int, m: dict[str, Any], val: list[dict[str, Any]],
-                  seeds: tuple[int, ...]) -> dict[str, Any]:
-    """The per-epoch diagnostics line (means over seeds; per-seed validation Sharpe kept)."""
+                  seeds: tuple[int, ...], active: list[bool]) -> dict[str, Any]:
+    """The per-epoch diagnostics line: training diagnostics are means over the seeds that
+    trained this epoch (``m`` holds only theirs; ``training_seeds`` names them), validation is
+    over every seed's current params, with the Sharpe per seed kept."""
     u, c = m["update"], m["collect"]
     intended = np.asarray(c["abs_intended"], np.float64)
     realised = np.asarray(c["abs_realised"], np.float64)
     return {
         "fold": fold, "epoch": epoch,
+        "training_seeds": [int(s) for s, a in zip(seeds, active, strict=True) if a],
         "loss": {"total": _mean(u["loss_total"]), "td": _mean(u["loss_td"]),
                  "c51": _mean(u["loss_c51"]), "mse": _mean(u["loss_mse"]),
                  "iqn": _mean(u["loss_iqn"]), "moe": _mean(u["loss_moe_balance"])},

@@ -6,7 +6,9 @@ added to the state without a rule here. Why each rule:
 =================  ======================  ===================================================
 leaf               rule                    why
 =================  ======================  ===================================================
-params             ShrinkPerturb           keep what was learnt, regain plasticity (Ash & Adams)
+params             ShrinkPerturb           keep what was learnt, regain plasticity (Ash & Adams);
+                                           applied to the fold's best-by-validation params,
+                                           which the job makes the params first
 target_params      CopyFrom(params)        hard sync to the *new* online params (main and IQN:
                                            the IQN head lives in the same tree)
 best_params        CopyFrom(params)        the new fold's best starts at its starting point
