@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from jdqn.config import Config, ConfigError, dumps_toml, load_config
+from jdqn.config import Config, ConfigError, config_from_dict, dumps_toml, load_config
 from jdqn.errors import JdqnError
 
 EXIT_USER_ERROR = 2
@@ -59,6 +59,34 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
     return out
 
 
+def _config_diff(saved: str, now: str, limit: int = 5) -> str:
+    """``section.key: saved → now`` for the first ``limit`` settings that differ."""
+    import tomllib
+
+    def flat(table: dict, prefix: str = "") -> dict[str, object]:
+        out: dict[str, object] = {}
+        for k, v in table.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    try:
+        saved_table = tomllib.loads(saved)
+    except tomllib.TOMLDecodeError:
+        return "the saved config.toml is not valid TOML"
+    try:  # compare resolved configs (defaults filled in), so only real differences show
+        saved_table = tomllib.loads(dumps_toml(config_from_dict(saved_table)))
+    except ConfigError:  # an older or invalid saved config: compare it as written
+        saved_table = dict(saved_table)
+    a, b = flat(saved_table), flat(tomllib.loads(now))
+    keys = [k for k in sorted(a.keys() | b.keys()) if a.get(k, "<unset>") != b.get(k, "<unset>")]
+    parts = [f"{k}: {a.get(k, '<unset>')!r} → {b.get(k, '<unset>')!r}" for k in keys[:limit]]
+    more = f", and {len(keys) - limit} more" if len(keys) > limit else ""
+    return "; ".join(parts) + more if parts else "formatting only"
+
+
 def write_resolved_config(cfg: Config, out: Path, resume: bool) -> None:
     """Write ``config.toml``; on resume, refuse a config that differs from the saved one."""
     text = dumps_toml(cfg)
@@ -66,8 +94,9 @@ def write_resolved_config(cfg: Config, out: Path, resume: bool) -> None:
     if resume:
         saved = path.read_text()
         if saved != text:
-            raise ConfigError(f"--resume: the config differs from the one saved in {path}; "
-                              "resume with the same config and --set overrides")
+            raise ConfigError(f"--resume: the config differs from the one saved in {path} "
+                              f"({_config_diff(saved, text)}); resume with the same config and "
+                              "--set overrides")
         return
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -70,6 +70,8 @@ def test_monitor_batched_over_seeds():
         jnp.arange(4, dtype=jnp.int32))
     with pytest.raises(TrainingHalted, match=r"'rewards' at step 2 of fold 0 \(seed index 2\)"):
         raise_if_halted(mons, NAMES)
+    with pytest.raises(TrainingHalted, match=r"of fold 0 \(seed 30\)"):  # named by its value
+        raise_if_halted(mons, NAMES, seeds=(10, 20, 30, 40))
 
 
 def test_q_drift_triggers_above_the_floor_only():
@@ -85,3 +87,5 @@ def test_q_drift_triggers_above_the_floor_only():
     check_q_drift(None, 1e6, epoch=0)  # first epoch: no previous value
     with pytest.raises(TrainingHalted, match="not finite"):
         check_q_drift(None, float("inf"), epoch=0)
+    with pytest.raises(TrainingHalted, match=r"epoch 7 of fold 2 \(seed 5\)"):
+        check_q_drift(12.0, 30.0, epoch=7, factor=2.0, floor=10.0, fold=2, seed=5)

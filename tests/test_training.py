@@ -407,6 +407,7 @@ def test_resume_refuses_a_changed_config(tmp_path):
     (out / "config.toml").write_text(tiny_toml("train.epochs_per_fold=1", "train.lr=0.1"))
     res = _cli(["--config", str(cfg), "--output-dir", str(out), "--resume"])
     assert res.returncode == 2 and "config differs" in res.stderr
+    assert "train.lr: 0.1 → 0.0003" in res.stderr, res.stderr  # names what differs
 
 
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):

@@ -270,14 +270,14 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             active = [b < tc.patience for b in progress["bad_epochs"]]
             state, metrics = epoch_fn(state, env_params, fold_arr, jnp.asarray(active))
             metrics, monitor = jax.device_get((metrics, state.monitor))
-            safety.raise_if_halted(monitor, CHECKED_TENSORS)
+            safety.raise_if_halted(monitor, CHECKED_TENSORS, tc.seeds)
             q_now = [float(x) for x in metrics["collect"]["q_abs_mean"]]
             prev_q = progress["prev_q"] or [None] * n_seeds
-            if tc.q_drift_halt:
+            if tc.q_drift_halt:  # (a first epoch, prev None, halts only on a non-finite Q)
                 for s in range(n_seeds):
-                    if active[s] and prev_q[s] is not None:
+                    if active[s]:
                         safety.check_q_drift(prev_q[s], q_now[s], e, floor=tc.q_drift_floor,
-                                             fold=f)
+                                             fold=f, seed=tc.seeds[s] if n_seeds > 1 else None)
             progress["prev_q"] = [q if a else old for q, old, a in zip(q_now, prev_q, active,
                                                                          strict=True)]
 

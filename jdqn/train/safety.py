@@ -70,11 +70,12 @@ def check_finite(monitor: NaNMonitor, named: Mapping[str, Any], step: jax.Array 
     return monitor_update(monitor, finite_flags(named), step, fold)
 
 
-def raise_if_halted(monitor: NaNMonitor, names: Sequence[str]) -> None:
+def raise_if_halted(monitor: NaNMonitor, names: Sequence[str],
+                    seeds: Sequence[int] | None = None) -> None:
     """Host side, once per epoch (one small device→host read): raise :class:`TrainingHalted`
     naming the first non-finite tensor, its step and fold. ``names`` = the dict's keys, in the
     order given to :func:`finite_flags`. Works on a monitor batched over seeds (leading axis):
-    the first halted seed is reported."""
+    the first halted seed is reported, by its value when ``seeds`` are given."""
     m = jax.device_get(monitor)
     halted = jnp.asarray(m.halted).reshape(-1)
     if not bool(halted.any()):
@@ -84,7 +85,10 @@ def raise_if_halted(monitor: NaNMonitor, names: Sequence[str]) -> None:
     names = list(names)
     i = get(m.tensor)
     name = names[i] if 0 <= i < len(names) else f"tensor #{i}"
-    seed = f" (seed index {s})" if halted.size > 1 else ""
+    if seeds is not None and len(seeds) == halted.size:
+        seed = f" (seed {seeds[s]})" if halted.size > 1 else ""
+    else:
+        seed = f" (seed index {s})" if halted.size > 1 else ""
     raise TrainingHalted(f"non-finite values in '{name}' at step {get(m.step)} of fold "
                          f"{get(m.fold)}{seed}")
 
@@ -99,7 +103,8 @@ def q_drift_exceeded(prev_abs_mean_q: Any, abs_mean_q: Any, factor: float = 2.0,
 
 
 def check_q_drift(prev_abs_mean_q: float | None, abs_mean_q: float, epoch: int,
-                  factor: float = 2.0, floor: float = 10.0, fold: int | None = None) -> None:
+                  factor: float = 2.0, floor: float = 10.0, fold: int | None = None,
+                  seed: int | None = None) -> None:
     """Host side, once per epoch: raise :class:`TrainingHalted` (the model is rejected) when
     :func:`q_drift_exceeded`. On the first epoch (``prev`` is None) only non-finite Q halts."""
     cur = float(abs_mean_q)
@@ -111,7 +116,8 @@ def check_q_drift(prev_abs_mean_q: float | None, abs_mean_q: float, epoch: int,
         prev = float(prev_abs_mean_q)
         if not bool(q_drift_exceeded(prev, cur, factor, floor)):
             return
-    where = f"epoch {epoch}" + (f" of fold {fold}" if fold is not None else "")
+    where = (f"epoch {epoch}" + (f" of fold {fold}" if fold is not None else "")
+             + (f" (seed {seed})" if seed is not None else ""))
     raise TrainingHalted(
         f"Q drift at {where}: |mean Q| went from {prev:.4g} to {cur:.4g} (halt when it is more "
         f"than {factor:g}× the previous epoch and above the floor {floor:g}, or not finite); "
