@@ -99,14 +99,18 @@ def test_one_compilation_across_epochs_folds_and_lr_changes():
     p, env_params, state = _setup(cfg)
     fn = make_epoch_fn(p.learner)
     before = fn._cache_size()
-    state, _ = fn(state, env_params, jnp.asarray(0))
-    state, _ = fn(state, env_params, jnp.asarray(0))
+    on, off = jnp.asarray([True]), jnp.asarray([False])  # the per-seed early-stopping mask
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
     state = state.replace(opt_state=jax.vmap(lambda o: set_learning_rate(o, 1e-5))(
         state.opt_state))
-    state, _ = fn(state, env_params, jnp.asarray(0))
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
+    frozen = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # survives the donation
+    state, _ = fn(state, env_params, jnp.asarray(0), off)  # a stopped seed: state unchanged
+    assert _leaves_equal(state, frozen)
     env1 = job_lib.fold_env_params(cfg, p, 1)  # new fold: new window and normalised features
     state = job_lib._fold_state(p, state, env1, 1, seed_keys(cfg.train.seeds))
-    state, _ = fn(state, env1, jnp.asarray(1))
+    state, _ = fn(state, env1, jnp.asarray(1), on)
     jax.block_until_ready(state)
     assert fn._cache_size() - before == 1
     assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
@@ -246,7 +250,7 @@ def test_q_drift_halts_and_rejects_the_model(tmp_path, monkeypatch):
         fn = real(learner)
         calls = {"n": 0}
 
-        def run(state, env_params, fold):
+        def run(state, env_params, fold, active=None):
             calls["n"] += 1
             if calls["n"] == 2:
                 def bump(path, x):
@@ -255,7 +259,7 @@ def test_q_drift_halts_and_rejects_the_model(tmp_path, monkeypatch):
 
                 state = state.replace(params=jax.tree_util.tree_map_with_path(bump,
                                                                                state.params))
-            return fn(state, env_params, fold)
+            return fn(state, env_params, fold, active)
 
         run._cache_size = fn._cache_size
         return run
