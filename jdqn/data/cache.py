@@ -35,7 +35,7 @@ from jdqn.data.features import FeatureSet, build_features
 from jdqn.data.load import load_bars, resolve_path
 from jdqn.errors import CacheError, DataError
 
-SCHEMA_VERSION = 1  # bump when bars/features change meaning or layout
+SCHEMA_VERSION = 2  # bump when bars/features change meaning or layout (2: event-bar bar_seconds)
 _MIB = 1 << 20
 
 

@@ -264,6 +264,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                             epochs_trained=[0] * n_seeds)
         fold_arr = jnp.asarray(f, jnp.int32)
         progress.setdefault("epochs_trained", [progress["epoch"] + 1] * n_seeds)  # old ckpts
+        last_val: list[dict[str, Any] | None] = [None] * n_seeds
         for e in range(progress["epoch"] + 1, tc.epochs_per_fold):
             # A seed out of patience is frozen (its state does not move) while the others
             # train on, so every seed's run is the one it would have alone.
@@ -281,8 +282,12 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             progress["prev_q"] = [q if a else old for q, old, a in zip(q_now, prev_q, active,
                                                                          strict=True)]
 
-            val = [compute_metrics(evaluate_params(cfg, p, val_params, seed_slice(state.params, s),
-                                                   *fold.val), p.ppy) for s in range(n_seeds)]
+            # A frozen seed's params did not move: its last validation still holds.
+            val = [last_val[s] if not active[s] and last_val[s] is not None else
+                   compute_metrics(evaluate_params(cfg, p, val_params,
+                                                   seed_slice(state.params, s), *fold.val), p.ppy)
+                   for s in range(n_seeds)]
+            last_val = val
             improved = []
             for s in range(n_seeds):
                 if not active[s]:
