@@ -15,6 +15,7 @@ import argparse
 import datetime as _dt
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 from jdqn.config import Config, ConfigError, config_from_dict, dumps_toml, load_config
@@ -61,7 +62,6 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
 
 def _config_diff(saved: str, now: str, limit: int = 5) -> str:
     """``section.key: saved → now`` for the first ``limit`` settings that differ."""
-    import tomllib
 
     def flat(table: dict, prefix: str = "") -> dict[str, object]:
         out: dict[str, object] = {}
@@ -77,10 +77,10 @@ def _config_diff(saved: str, now: str, limit: int = 5) -> str:
     except tomllib.TOMLDecodeError:
         return "the saved config.toml is not valid TOML"
     try:  # compare resolved configs (defaults filled in), so only real differences show
-        saved_table = tomllib.loads(dumps_toml(config_from_dict(saved_table)))
+        resolved = tomllib.loads(dumps_toml(config_from_dict(saved_table)))
     except ConfigError:  # an older or invalid saved config: compare it as written
-        saved_table = dict(saved_table)
-    a, b = flat(saved_table), flat(tomllib.loads(now))
+        resolved = saved_table
+    a, b = flat(resolved), flat(tomllib.loads(now))
     keys = [k for k in sorted(a.keys() | b.keys()) if a.get(k, "<unset>") != b.get(k, "<unset>")]
     parts = [f"{k}: {a.get(k, '<unset>')!r} → {b.get(k, '<unset>')!r}" for k in keys[:limit]]
     more = f", and {len(keys) - limit} more" if len(keys) > limit else ""
