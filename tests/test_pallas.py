@@ -257,15 +257,18 @@ def test_iqn_kernel_refuses_other_dtypes_and_empty_batches():
 
 def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeypatch):
     from jdqn.losses import Batch
+    from jdqn.networks import model as model_module
     from jdqn.pallas import iqn as iqn_module
 
     seen = []
     real = iqn_module.iqn_features_pallas
     monkeypatch.setattr(iqn_module, "iqn_features_pallas",
                         lambda *a: seen.append(a[2]) or real(*a))  # a[2]: the τ-embedding kernel
+    # Only the IQN kernel (the C51 kernels in the interpreter would only slow this test down).
+    monkeypatch.setattr(model_module, "use_pallas", lambda impl, kernel: kernel == "iqn")
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4, iqn_n_prime=4,
-                      impl="pallas")
+                      impl="xla")
     net = BranchingQNetwork(cfg)
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
