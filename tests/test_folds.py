@@ -186,6 +186,16 @@ def test_a_seed_trains_the_same_alone_and_beside_other_seeds(tmp_path):
     both = job_lib.run_job(tiny_config("train.seeds=[0, 1]", *common), tmp_path / "b",
                            quiet=True)
     other = json.loads((tmp_path / "b" / "seeds" / "seed_1" / "report.json").read_text())
+    # The multi-seed report folder: the top report is seed 0's, seed 1's has its own folder,
+    # and seeds.json holds both seeds' test metrics.
+    assert json.loads((tmp_path / "b" / "report.json").read_text()) == both
+    assert both["extra"]["seed"] == 0 and other["extra"]["seed"] == 1
+    summary = json.loads((tmp_path / "b" / "seeds.json").read_text())
+    assert summary["test"]["0"]["sharpe"] == both["test"]["sharpe"]
+    assert summary["test"]["1"]["sharpe"] == other["test"]["sharpe"] != both["test"]["sharpe"]
+    assert summary["baselines"] == both["baselines"] == other["baselines"]
+    assert "## Across seeds" in (tmp_path / "b" / "summary.md").read_text()
+    assert not (tmp_path / "a" / "seeds.json").exists()  # one seed: no summary
     for r in (alone, both, other):
         r["extra"].pop("wall_seconds")
         r["extra"].pop("seeds")

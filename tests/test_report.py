@@ -91,22 +91,3 @@ def test_seed_summary_aggregates_per_seed_test_metrics(tmp_path, backtests):
     assert text.startswith("# Out-of-sample report") and "## Across seeds" in text
     with pytest.raises(ValueError, match="≥ 2 seeds"):
         write_seed_summary(top, [7], [r0])
-
-
-@pytest.mark.slow
-def test_multi_seed_job_writes_each_seeds_report_and_the_summary(tmp_path):
-    from helpers import tiny_config
-
-    from jdqn.train import job as job_lib
-
-    cfg = tiny_config("train.seeds=[0, 5]", "train.n_folds=1", "train.epochs_per_fold=1",
-                      "logging.tensorboard=false")
-    top = job_lib.run_job(cfg, tmp_path, quiet=True)
-    other = json.loads((tmp_path / "seeds" / "seed_5" / "report.json").read_text())
-    assert json.loads((tmp_path / "report.json").read_text()) == top
-    assert top["extra"]["seed"] == 0 and other["extra"]["seed"] == 5
-    assert top["test"]["sharpe"] != other["test"]["sharpe"]  # different seeds, different agents
-    summary = json.loads((tmp_path / "seeds.json").read_text())
-    assert summary["test"]["0"]["sharpe"] == top["test"]["sharpe"]
-    assert summary["test"]["5"]["sharpe"] == other["test"]["sharpe"]
-    assert summary["baselines"] == top["baselines"] == other["baselines"]

@@ -94,7 +94,13 @@ def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
 # --------------------------------------------------------------------------------------------
 
 
-def test_one_compilation_across_epochs_folds_and_lr_changes():
+def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
+    """One compiled epoch program for the whole run: across epochs, a stopped seed's mask, a
+    learning-rate change, a new fold and a state restored from a checkpoint (orbax returns
+    device-committed arrays and committedness is part of jit's cache key: a resume used to
+    compile the full program a second time)."""
+    from jdqn.train.checkpoint import Checkpointer
+
     cfg = tiny_config("train.iters_per_epoch=4")
     p, env_params, state = _setup(cfg)
     fn = make_epoch_fn(p.learner)
@@ -112,31 +118,14 @@ def test_one_compilation_across_epochs_folds_and_lr_changes():
     state = job_lib._fold_state(p, state, env1, 1, seed_keys(cfg.train.seeds))
     state, _ = fn(state, env1, jnp.asarray(1), on)
     jax.block_until_ready(state)
-    assert fn._cache_size() - before == 1
-    assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
-
-
-def test_a_restored_state_runs_the_compiled_epoch_without_recompiling(tmp_path):
-    """A resumed run reuses the epoch program: restored arrays look to jit exactly like a fresh
-    run's (orbax returns device-committed arrays, and committedness is part of jit's cache
-    key — a resume used to compile the full program a second time)."""
-    from jdqn.train.checkpoint import Checkpointer
-
-    cfg = tiny_config("train.iters_per_epoch=2")
-    p, env_params, state = _setup(cfg)
-    fn = make_epoch_fn(p.learner)
-    active = jnp.asarray([True])
-    state, _ = fn(state, env_params, jnp.asarray(0), active)
-    jax.block_until_ready(state)
-    compiled = fn._cache_size()
-    abstract = jax.eval_shape(lambda s: s, state)
     with Checkpointer(tmp_path / "ck", async_save=False) as ck:
         ck.save(1, state, {"val_sharpe": 0.0})
-        restored, _ = ck.restore(1, abstract)
+        restored, _ = ck.restore(1, jax.eval_shape(lambda s: s, state))
     assert _leaves_equal(restored, state)
-    out, _ = fn(restored, env_params, jnp.asarray(0), active)
-    jax.block_until_ready(out)
-    assert fn._cache_size() == compiled
+    state, _ = fn(restored, env1, jnp.asarray(1), on)
+    jax.block_until_ready(state)
+    assert fn._cache_size() - before == 1
+    assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
 
 
 def test_an_epoch_is_one_program_with_no_host_round_trip():
