@@ -168,17 +168,22 @@ def write_seed_summary(out_dir: str | Path, seeds: list[int] | tuple[int, ...],
     summary = _clean({"seeds": [int(x) for x in seeds], "test": per_seed,
                       "aggregate": aggregate, "baselines": reports[0]["baselines"]})
     (out / "seeds.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    stats = {stat: {k: aggregate[k][stat] for k in SUMMARY_KEYS} for stat in ("mean", "std")}
     lines = ["", "## Across seeds (test window)", "",
-             "| seed | " + " | ".join(SUMMARY_KEYS) + " |", "|---" * (len(SUMMARY_KEYS) + 1) + "|"]
-    for seed, m in per_seed.items():
-        lines.append(f"| {seed} | " + " | ".join(_fmt(m[k]) for k in SUMMARY_KEYS) + " |")
-    for stat in ("mean", "std"):
-        lines.append(f"| {stat} | " + " | ".join(_fmt(aggregate[k][stat]) for k in SUMMARY_KEYS)
-                     + " |")
+             *_table("seed", SUMMARY_KEYS, {**per_seed, **stats})]
     lines += ["", "Per-seed reports: `seeds/seed_<s>/`; all seeds: `seeds.json`.", ""]
     with (out / "summary.md").open("a") as f:
         f.write("\n".join(lines))
     return summary
+
+
+def _table(first: str, keys: tuple[str, ...] | list[str],
+           rows: dict[Any, dict[str, Any]]) -> list[str]:
+    """A markdown table: one row per ``rows`` entry (its name in the ``first`` column), one
+    column per key."""
+    lines = [f"| {first} | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    return lines + [f"| {name} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |"
+                    for name, m in rows.items()]
 
 
 def _summary(path: Path, report: dict[str, Any]) -> None:
@@ -187,16 +192,11 @@ def _summary(path: Path, report: dict[str, Any]) -> None:
              (f"{report['test']['n_bars']} bars, annualisation "
               f"{report['annualization_periods']:.6g} periods/year, stride {report['stride']}, "
               f"period {report['period']['start']} → {report['period']['end']}."), "",
-             "| policy | " + " | ".join(SUMMARY_KEYS) + " |",
-             "|---" * (len(SUMMARY_KEYS) + 1) + "|"]
-    for name, m in rows.items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(m.get(k)) for k in SUMMARY_KEYS) + " |")
+             *_table("policy", SUMMARY_KEYS, rows)]
     if report["folds"]:
         keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
-        lines += ["", "## Walk-forward validation", "", "| fold | " + " | ".join(keys) + " |",
-                  "|---" * (len(keys) + 1) + "|"]
-        for i, m in enumerate(report["folds"]):
-            lines.append(f"| {i} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
+        lines += ["", "## Walk-forward validation", "",
+                  *_table("fold", keys, dict(enumerate(report["folds"])))]
     lines += ["", ("Plots: `plots/equity.png`, `plots/drawdown.png`, `plots/position.png`, "
                    "`plots/actions.png`. Per-bar returns: `returns.csv`."), ""]
     path.write_text("\n".join(lines))

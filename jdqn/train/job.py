@@ -36,7 +36,7 @@ from jdqn.evaluate.baselines import run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year
 from jdqn.evaluate.report import write_report, write_seed_summary
 from jdqn.train import safety
-from jdqn.train.epoch import greedy_policy, make_epoch_fn
+from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
 from jdqn.train.folds import FoldPlan, plan_folds
 from jdqn.train.logger import RunLogger
 from jdqn.train.policy import fold_reset_policy
@@ -122,11 +122,7 @@ def evaluate_params(cfg: Config, p: Prepared, env_params: env_core.EnvParams, pa
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _select_best(state: TrainState, improved: jax.Array) -> TrainState:
-    def pick(new, old):
-        mask = improved.reshape(improved.shape + (1,) * (new.ndim - 1))
-        return jnp.where(mask, new, old)
-
-    return state.replace(best_params=jax.tree.map(pick, state.params, state.best_params))
+    return state.replace(best_params=select_seeds(improved, state.params, state.best_params))
 
 
 # --------------------------------------------------------------------------------------------
