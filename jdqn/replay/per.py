@@ -99,9 +99,11 @@ def add(state: ReplayState, items: PyTree) -> ReplayState:
     else:
         start, m = state.position, n
     idx = (start + jnp.arange(m, dtype=jnp.int32)) % cap
-    storage = jax.tree.map(lambda buf, x: buf.at[idx].set(x.astype(buf.dtype)),
+    # m ≤ C consecutive ring slots: distinct, so the scatters are declared unique (see update()).
+    storage = jax.tree.map(lambda buf, x: buf.at[idx].set(x.astype(buf.dtype),
+                                                          unique_indices=True),
                            state.storage, items)
-    priorities = state.priorities.at[idx].set(state.max_priority)
+    priorities = state.priorities.at[idx].set(state.max_priority, unique_indices=True)
     return state.replace(
         storage=storage,
         priorities=priorities,
@@ -216,21 +218,27 @@ def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> Rep
 
     Duplicates: when a slot appears several times in ``indices`` the **last occurrence wins**
     (as if the updates were applied one after another). XLA's scatter leaves the winner of
-    duplicate writes unspecified, so we sort, keep each slot's last occurrence and drop the rest
-    before scattering. Indices outside ``[0, C)`` are ignored. Negative priorities are clamped to
-    0; non-finite ones are replaced by ``max_priority`` (the NaN monitor on the loss reports the
-    cause — this only keeps the cumulative sums finite).
+    duplicate writes unspecified, so we sort, keep each slot's last occurrence and send every
+    other write to its own slot past the end (``C + position``), where it is dropped. Every
+    scatter index is then distinct, and the scatter says so (``unique_indices``): XLA may then
+    treat it as deterministic, where under ``--xla_gpu_deterministic_ops`` it would otherwise
+    rewrite it into a slower deterministic form. Indices outside ``[0, C)`` (negative ones too:
+    no Python-style wrap-around) are ignored. Negative priorities are clamped to 0; non-finite
+    ones are replaced by ``max_priority`` (the NaN monitor on the loss reports the cause — this
+    only keeps the cumulative sums finite).
     """
     cap = state.capacity
     indices = indices.astype(jnp.int32).reshape(-1)
     pr = priorities.astype(jnp.float32).reshape(-1)
     pr = jnp.where(jnp.isfinite(pr), jnp.maximum(pr, 0.0), state.max_priority)
+    in_range = (indices >= 0) & (indices < cap)
     order = jnp.argsort(indices, stable=True)  # equal slots keep their batch order
     s_idx, s_pr = indices[order], pr[order]
     is_last = jnp.concatenate([s_idx[:-1] != s_idx[1:], jnp.ones((1,), bool)])
-    target = jnp.where(is_last, s_idx, cap)  # losers go out of bounds and are dropped
-    new = state.priorities.at[target].set(s_pr, mode="drop")
-    in_range = (indices >= 0) & (indices < cap)
+    keep = is_last & in_range[order]
+    dropped = cap + jnp.arange(s_idx.shape[0], dtype=jnp.int32)  # distinct, all past the end
+    target = jnp.where(keep, s_idx, dropped)
+    new = state.priorities.at[target].set(s_pr, mode="drop", unique_indices=True)
     mp = jnp.maximum(state.max_priority, jnp.max(jnp.where(in_range, pr, 0.0)))
     return state.replace(priorities=new, max_priority=mp)
 

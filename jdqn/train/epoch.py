@@ -27,6 +27,7 @@ from jdqn.networks.model import greedy_action, policy_aux
 from jdqn.replay import nstep as nstep_lib
 from jdqn.replay import per
 from jdqn.train import safety
+from jdqn.train.optim import global_norm
 from jdqn.train.state import CHECKED_TENSORS, Learner, StepRecord, TrainState, Transition
 
 BRANCH_SIZES = env_core.BRANCH_SIZES
@@ -161,7 +162,9 @@ def insert(state: TrainState, items: Transition, valid: jax.Array) -> TrainState
         slots = (pos0 + jnp.arange(n - cap, n, dtype=jnp.int32)) % cap
         valid = valid[n - cap:]
     pr = jnp.where(valid, replay.priorities[slots], 0.0)
-    return state.replace(replay=replay.replace(priorities=replay.priorities.at[slots].set(pr)))
+    # The slots are distinct (n ≤ C consecutive ring slots), as per.add's.
+    return state.replace(replay=replay.replace(
+        priorities=replay.priorities.at[slots].set(pr, unique_indices=True)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +200,7 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     target = optax.incremental_update(params, state.target_params, c.tau)
     replay = per.update(state.replay, sample.indices, per_sample + c.per_eps)
     monitor = state.monitor
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = global_norm(grads)
     if c.finite_checks:
         # Cheap per-update checks: Q statistics are computed from the online logits (NaN logits
         # make them NaN) and the gradient's global norm is finite iff every gradient is. The
