@@ -80,6 +80,27 @@ def test_gradients_are_clipped_by_global_norm():
     np.testing.assert_allclose(clip_only, 0.1 * 0.5 * np.ones((2, 2)), rtol=1e-5)
 
 
+def test_flat_global_norm_clip_matches_optax():
+    # global_norm is one reduction over the leaves' concatenation (one GPU kernel instead of one
+    # per leaf); it must give optax's norm and optax's clipping, leaf by leaf.
+    from jdqn.train.optim import clip_by_global_norm, global_norm
+
+    rng = np.random.default_rng(3)
+    tree = {"a": jnp.asarray(rng.normal(size=(7, 5)), jnp.float32),
+            "b": {"c": jnp.asarray(rng.normal(size=(11,)), jnp.float32),
+                  "d": jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)}}
+    np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
+    assert float(global_norm({})) == 0.0
+    norm = float(optax.tree.norm(tree))
+    for max_norm in (0.5 * norm, 2.0 * norm):  # clipped, then untouched
+        ours = clip_by_global_norm(jnp.float32(max_norm))
+        ref = optax.clip_by_global_norm(max_norm)
+        got, st = ours.update(tree, ours.init(tree))
+        want, _ = ref.update(tree, ref.init(tree))
+        assert jax.tree.structure(st) == jax.tree.structure(ref.init(tree))
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), got, want)
+
+
 def test_changing_the_learning_rate_never_recompiles():
     params = _params()
     opt = make_optimizer(CFG, params)
