@@ -2,10 +2,14 @@
 
 Runs ``--epochs`` jitted epochs (collection, PER, updates — the trainer's own ``make_epoch_fn``)
 twice from the same seed in one process and compares every leaf of the final ``TrainState``
-bitwise; prints one JSON object. On GPU run it with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``
-(the script reports whether the flag was set); on CPU results are deterministic without flags.
+bitwise; prints one JSON object with the state's sha256 and the XLA flags it ran under. Within
+one process the GPU program is deterministic without flags. Across processes compare the
+``state_sha256`` of two runs: a fresh compilation may autotune other kernels, so pin them as
+the CLI's ``--autotune-file`` does (first run records, second loads) or use XLA's determinism
+flags (docs/training.md, "Determinism"):
 
-    XLA_FLAGS=--xla_gpu_deterministic_ops=true python bench/determinism.py --config configs/gpu.toml
+    XLA_FLAGS=--xla_gpu_dump_autotune_results_to=at.textproto python bench/determinism.py --config configs/gpu.toml
+    XLA_FLAGS=--xla_gpu_load_autotune_results_from=at.textproto python bench/determinism.py --config configs/gpu.toml
 """
 
 from __future__ import annotations
