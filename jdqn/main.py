@@ -1,4 +1,5 @@
-"""Command line: ``python -m jdqn.main --config PATH [--set k=v ...] [--output-dir DIR] [--resume]``.
+"""Command line: ``python -m jdqn.main --config PATH [--set k=v ...] [--output-dir DIR] [--resume]
+[--autotune-file PATH]``.
 
 Runs the whole job: data → features → walk-forward training → test-window backtest → report.
 ``--features-only`` stops after building (or loading) the features and prints what it built.
@@ -36,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="run folder (default: runs/<config name>/<timestamp>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --output-dir from its latest checkpoint")
+    p.add_argument("--autotune-file", default=None, metavar="PATH",
+                   help="GPU reproducibility at full speed: the first run records XLA's "
+                   "autotuned kernel choices in PATH, later runs given the same PATH compile "
+                   "the same kernels, so their results are bitwise identical "
+                   "(docs/training.md, 'Determinism')")
     p.add_argument("--features-only", action="store_true",
                    help="build (or load from cache) the bars and features, print a summary, stop")
     return p
@@ -116,6 +122,35 @@ def features_summary(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+_AUTOTUNE_FLAGS = ("--xla_gpu_load_autotune_results_from", "--xla_gpu_dump_autotune_results_to")
+
+
+def autotune_xla_flags(path: str, xla_flags: str) -> tuple[str, str]:
+    """``(mode, XLA_FLAGS)`` for ``--autotune-file PATH``: ``"load"`` when PATH holds recorded
+    results (XLA then compiles with those kernel choices instead of timing candidates), else
+    ``"dump"`` (XLA records its choices there). A name ending in ``.txt`` or ``.textproto`` is
+    written as text, anything else in binary. Must take effect before JAX starts its backend."""
+    for flag in _AUTOTUNE_FLAGS:
+        if flag in xla_flags:
+            raise ConfigError(f"--autotune-file {path}: XLA_FLAGS already sets {flag}; "
+                              "give one or the other")
+    if any(c.isspace() for c in path):
+        raise ConfigError(f"--autotune-file {path!r}: XLA_FLAGS cannot carry a path with spaces")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--autotune-file {path} is a folder, not a file")
+    if p.is_file():
+        if p.stat().st_size == 0:
+            raise ConfigError(f"--autotune-file {path} is empty (no GPU autotuning was recorded "
+                              "in it); delete it to record a new one")
+        mode, flag = "load", f"{_AUTOTUNE_FLAGS[0]}={p.resolve()}"
+    else:
+        if not p.parent.is_dir():
+            raise ConfigError(f"--autotune-file {path}: folder {p.parent} does not exist")
+        mode, flag = "dump", f"{_AUTOTUNE_FLAGS[1]}={p.resolve()}"
+    return mode, f"{xla_flags} {flag}".strip()
+
+
 def enable_compilation_cache() -> None:
     """Keep compiled XLA programs on disk so a second run skips compilation.
 
@@ -141,12 +176,23 @@ def main(argv: list[str] | None = None) -> int:
             print(features_summary(cfg))
             return 0
         out = resolve_output_dir(args.config, args.output_dir, args.resume)
+        autotune = None
+        if args.autotune_file:
+            autotune, flags = autotune_xla_flags(args.autotune_file,
+                                                 os.environ.get("XLA_FLAGS", ""))
+            os.environ["XLA_FLAGS"] = flags
         write_resolved_config(cfg, out, args.resume)
-        enable_compilation_cache()
+        if autotune != "dump":  # recording needs every program compiled (and autotuned) here
+            enable_compilation_cache()
         from jdqn.train.job import run_job
 
         run_job(cfg, out, resume=args.resume)
         print(f"run written to {out}")
+        if autotune == "dump":
+            f = Path(args.autotune_file)
+            print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
+                  "to later runs" if f.is_file() and f.stat().st_size else
+                  f"nothing recorded in {f}: no GPU autotuning ran (CPU backend)")
         return 0
     except JdqnError as e:
         print(f"jdqn: error: {e}", file=sys.stderr)

@@ -159,3 +159,31 @@ def test_default_output_dir_is_a_new_timestamped_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = resolve_output_dir("configs/quickstart.toml", None, resume=False)
     assert out.parent == Path("runs") / "quickstart" and not out.exists()
+
+
+def test_autotune_file_records_first_then_loads(tmp_path):
+    from jdqn.config import ConfigError
+    from jdqn.main import autotune_xla_flags
+
+    f = tmp_path / "at.textproto"
+    mode, flags = autotune_xla_flags(str(f), "--xla_foo=1")
+    assert mode == "dump" and flags == f"--xla_foo=1 --xla_gpu_dump_autotune_results_to={f}"
+    f.write_text("results {}")
+    mode, flags = autotune_xla_flags(str(f), "")
+    assert mode == "load" and flags == f"--xla_gpu_load_autotune_results_from={f}"
+    bad = [(str(tmp_path), "", "is a folder"),
+           (str(tmp_path / "nope" / "at.pb"), "", "does not exist"),
+           (str(tmp_path / "a b.pb"), "", "with spaces"),
+           (str(f), "--xla_gpu_load_autotune_results_from=/x", "XLA_FLAGS already sets")]
+    for path, env, fragment in bad:
+        with pytest.raises(ConfigError, match=fragment):
+            autotune_xla_flags(path, env)
+    empty = tmp_path / "empty.pb"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        autotune_xla_flags(str(empty), "")
+    # Through the CLI: a one-line error, and nothing run.
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir", str(tmp_path / "run"),
+                  "--autotune-file", str(tmp_path))
+    assert_user_error(res, "--autotune-file", "is a folder")
+    assert not (tmp_path / "run").exists()
