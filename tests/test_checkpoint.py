@@ -111,6 +111,25 @@ def test_retention_keeps_best_n_by_sharpe_plus_latest_n(tmp_path):
     ck.close()
 
 
+def test_best_n_ranks_within_the_latest_fold(tmp_path):
+    # Validation Sharpes of different folds come from different windows: a great fold-0 score
+    # must not outrank the later fold's checkpoints (it did while ranking was by Sharpe alone).
+    st = _state()
+    ck = Checkpointer(tmp_path / "ck", keep_best=2, keep_latest=1, async_save=False)
+    for step, (fold, v) in enumerate([(0, 50.0), (0, 40.0), (1, -3.0), (1, 2.0), (1, 1.0),
+                                      (1, 0.5), (1, 60.0 - 100.0)]):
+        ck.save(step, st, {"val_sharpe": v, "fold": fold})
+    # best two of fold 1: step 3 (2.0), step 4 (1.0); latest: 6
+    assert ck.all_steps() == [3, 4, 6] and ck.best_step() == 3
+    ck.close()
+    # Within one fold the order is the Sharpe's, also for large and close values.
+    ck = Checkpointer(tmp_path / "ck2", keep_best=1, keep_latest=1, async_save=False)
+    for step, v in enumerate([85.0, 86.0, float("inf"), 85.5]):
+        ck.save(step, st, {"val_sharpe": v, "fold": 2})
+    assert ck.all_steps() == [1, 3] and ck.best_step() == 1
+    ck.close()
+
+
 def test_foreign_layout_is_refused_with_a_clear_message(tmp_path):
     d = tmp_path / "ck"
     with Checkpointer(d, fingerprint="features-v1") as ck:

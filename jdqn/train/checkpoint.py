@@ -14,7 +14,11 @@ Each checkpoint step ``<directory>/<step>/`` holds three items:
 and orbax's metrics file (``metrics``, e.g. ``{"val_sharpe": 1.3}``) used for retention.
 
 Retention keeps the union of the ``keep_best`` checkpoints with the highest ``metric`` (higher is
-better; a missing or non-finite value ranks lowest) and the ``keep_latest`` most recent ones
+better; a missing or non-finite value ranks lowest) and the ``keep_latest`` most recent ones.
+With a ``group`` key (default ``"fold"``) in the metrics, checkpoints of a later group rank above
+every checkpoint of an earlier one and the metric ranks within a group: validation Sharpes of
+different walk-forward folds come from different windows and are not comparable, so "best" means
+best on the latest fold's validation window
 (``BestN`` + ``LatestN`` under ``AnyPreservationPolicy``; orbax ≥ 0.11.x, present in 0.12.4 and
 0.12.8).
 
@@ -186,10 +190,12 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | Path, keep_best: int = 2, keep_latest: int = 2,
-                 async_save: bool = True, fingerprint: str = "", metric: str = "val_sharpe"):
+                 async_save: bool = True, fingerprint: str = "", metric: str = "val_sharpe",
+                 group: str = "fold"):
         self.directory = Path(directory).absolute()
         self.schema = fingerprint
         self.metric = metric
+        self.group = group
         self._metrics: dict[int, dict[str, Any]] = {}
         policy = ocp.checkpoint_managers.AnyPreservationPolicy([
             ocp.checkpoint_managers.LatestN(n=keep_latest),
@@ -209,12 +215,19 @@ class Checkpointer:
                                   f"{_first_line(e)}") from e
 
     def _rank(self, metrics: Any) -> float:
-        v = metrics.get(self.metric) if isinstance(metrics, dict) else None
+        """``group + ½ + atan(metric)/π``: the group orders first (an integer ≥ 0; absent = 0),
+        the metric, squeezed monotonically into (0, 1), within it; −inf without a finite
+        metric."""
+        if not isinstance(metrics, dict):
+            return -math.inf
         try:
-            v = float(v)
+            v = float(metrics.get(self.metric))
+            g = float(metrics.get(self.group, 0))
         except (TypeError, ValueError):
             return -math.inf
-        return v if math.isfinite(v) else -math.inf
+        if not (math.isfinite(v) and math.isfinite(g)):
+            return -math.inf
+        return g + 0.5 + math.atan(v) / math.pi
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -318,7 +318,8 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             logger.log_epoch(record, progress["global_epoch"])
             if ckpt is not None:
                 ckpt.save(progress["global_epoch"], state,
-                          metrics={"val_sharpe": float(np.mean([v["sharpe"] for v in val]))},
+                          metrics={"val_sharpe": float(np.mean([v["sharpe"] for v in val])),
+                                   "fold": f},
                           extra_json=progress)
             if progress["fold_done"]:
                 logger.advance(tc.epochs_per_fold - 1 - e)
