@@ -403,6 +403,19 @@ def test_resume_refuses_a_changed_config(tmp_path):
     assert "train.lr: 0.1 → 0.0003" in res.stderr, res.stderr  # names what differs
 
 
+def test_run_job_refuses_a_folder_holding_another_run(tmp_path):
+    # The CLI refuses a non-empty --output-dir; run_job itself refuses another run's outputs
+    # (it once trained into them, mixing two runs' checkpoints), before building anything.
+    for name in ("report.json", "checkpoints/7/state"):
+        out = tmp_path / name.split("/")[0].replace(".", "_")
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("another run")
+        with pytest.raises(CheckpointError, match="already holds a run"):
+            job_lib.run_job(tiny_config(), out, quiet=True)
+        assert (out / name).read_text() == "another run"
+        assert sorted(p.name for p in out.iterdir()) == [name.split("/")[0]]
+
+
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     cfg = tiny_config()
     out = tmp_path / "run"

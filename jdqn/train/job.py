@@ -168,6 +168,16 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     """Run (or resume) the whole job into ``out``; returns the report of the first seed."""
     t0 = time.perf_counter()
     out = Path(out)
+    if not resume:
+        # The CLI refuses a non-empty folder itself (and then writes config.toml into it); a
+        # caller of this function gets the same protection for another run's outputs.
+        ckdir = out / "checkpoints"
+        held = [n for n in ("metrics.jsonl", "report.json", "returns.csv") if (out / n).exists()]
+        if ckdir.is_dir() and any(ckdir.iterdir()):
+            held.append("checkpoints/")
+        if held:
+            raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume it "
+                                  "(resume=True, CLI --resume) or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     p = prepare(cfg)
     keys = seed_keys(cfg.train.seeds)
