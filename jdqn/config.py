@@ -235,7 +235,7 @@ class TrainConfig:
     weight_decay: float = fld(1e-4, ge=0)
     clip_norm: float = fld(10.0, gt=0)
     tau: float = fld(0.005, gt=0, le=1)  # Polyak target update per step
-    replay_capacity: int = fld(100_000, ge=1)
+    replay_capacity: int = fld(100_000, ge=1, le=2**30)  # int32 slot arithmetic
     min_replay: int = fld(1000, ge=1)  # transitions before updates start
     per_alpha: float = fld(0.6, ge=0, le=1)
     per_beta0: float = fld(0.4, ge=0, le=1)

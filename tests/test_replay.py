@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import x64
 
 from jdqn import replay as R
 
@@ -131,13 +132,21 @@ def test_out_of_range_indices_are_ignored_not_wrapped():
     new = R.update(st, jnp.array([-1, 2, 8, 100, 2, -8]), jnp.array([5.0, 6, 7, 8, 9, 4]))
     np.testing.assert_array_equal(np.asarray(new.priorities), [1, 1, 9, 1, 1, 1, 1, 1])
     assert float(new.max_priority) == 9.0  # ignored writes do not raise max_priority
+    # Only out-of-range writes besides slot 0 (they must not be taken for duplicates of it),
+    # an empty batch, and wide indices that would wrap into range if cast first.
+    new = R.update(st, jnp.array([0, 9, -5]), jnp.array([3.0, 4.0, 5.0]))
+    np.testing.assert_array_equal(np.asarray(new.priorities), [3, 1, 1, 1, 1, 1, 1, 1])
+    assert R.update(st, jnp.zeros(0, jnp.int32), jnp.zeros(0)) is st
+    with x64():  # int64 slots exist only with x64 on
+        new = R.update(st, jnp.array([2**32 + 3, 5], jnp.int64), jnp.array([7.0, 6.0]))
+    np.testing.assert_array_equal(np.asarray(new.priorities), [1, 1, 1, 1, 1, 6, 1, 1])
 
 
 def test_priority_scatters_are_declared_unique():
     # Under --xla_gpu_deterministic_ops XLA rewrites every scatter it cannot prove
-    # deterministic into a slower form; a scatter declared unique is left alone (that cost
-    # ~0.5 ms per update on the H200). The declaration must also be true: every index distinct
-    # (checked above against the sequential oracle, out-of-range writes included).
+    # deterministic into a slower form; a scatter declared unique is left alone. The
+    # declaration must also be true: every index distinct (checked above against the
+    # sequential oracle, out-of-range writes included).
     st = _filled(16, np.ones(10))
     upd = jax.jit(R.update).lower(st, jnp.zeros(32, jnp.int32), jnp.ones(32)).as_text()
     add = jax.jit(R.add).lower(st, _items(4)).as_text()

@@ -228,16 +228,21 @@ def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> Rep
     only keeps the cumulative sums finite).
     """
     cap = state.capacity
-    indices = indices.astype(jnp.int32).reshape(-1)
+    indices = jnp.asarray(indices).reshape(-1)
+    if indices.shape[0] == 0:
+        return state
+    # Out-of-range slots get the key C (compared before any cast, so a wide index cannot
+    # wrap into range): they sort after every slot and are dropped.
+    in_range = (indices >= 0) & (indices < cap)
+    key = jnp.where(in_range, indices, cap).astype(jnp.int32)
     pr = priorities.astype(jnp.float32).reshape(-1)
     pr = jnp.where(jnp.isfinite(pr), jnp.maximum(pr, 0.0), state.max_priority)
-    in_range = (indices >= 0) & (indices < cap)
-    order = jnp.argsort(indices, stable=True)  # equal slots keep their batch order
-    s_idx, s_pr = indices[order], pr[order]
-    is_last = jnp.concatenate([s_idx[:-1] != s_idx[1:], jnp.ones((1,), bool)])
-    keep = is_last & in_range[order]
-    dropped = cap + jnp.arange(s_idx.shape[0], dtype=jnp.int32)  # distinct, all past the end
-    target = jnp.where(keep, s_idx, dropped)
+    order = jnp.argsort(key, stable=True)  # equal slots keep their batch order
+    s_key, s_pr = key[order], pr[order]
+    is_last = jnp.concatenate([s_key[:-1] != s_key[1:], jnp.ones((1,), bool)])
+    keep = is_last & (s_key < cap)
+    dropped = cap + jnp.arange(s_key.shape[0], dtype=jnp.int32)  # distinct, all past the end
+    target = jnp.where(keep, s_key, dropped)
     new = state.priorities.at[target].set(s_pr, mode="drop", unique_indices=True)
     mp = jnp.maximum(state.max_priority, jnp.max(jnp.where(in_range, pr, 0.0)))
     return state.replace(priorities=new, max_priority=mp)
