@@ -123,13 +123,16 @@ def features_summary(cfg: Config) -> str:
 
 
 _AUTOTUNE_FLAGS = ("--xla_gpu_load_autotune_results_from", "--xla_gpu_dump_autotune_results_to")
+_REQUIRE_COMPLETE = "--xla_gpu_require_complete_aot_autotune_results=true"
 
 
 def autotune_xla_flags(path: str, xla_flags: str) -> tuple[str, str]:
     """``(mode, XLA_FLAGS)`` for ``--autotune-file PATH``: ``"load"`` when PATH holds recorded
-    results (XLA then compiles with those kernel choices instead of timing candidates), else
-    ``"dump"`` (XLA records its choices there). A name ending in ``.txt`` or ``.textproto`` is
-    written as text, anything else in binary. Must take effect before JAX starts its backend."""
+    results (XLA then compiles with those kernel choices instead of timing candidates, and a
+    program the file does not cover is a compile error rather than a silently re-autotuned
+    kernel), else ``"dump"`` (XLA records its choices there as it compiles). A name ending in
+    ``.txt`` or ``.textproto`` is written as text, anything else in binary. Must take effect
+    before JAX starts its backend."""
     for flag in _AUTOTUNE_FLAGS:
         if flag in xla_flags:
             raise ConfigError(f"--autotune-file {path}: XLA_FLAGS already sets {flag}; "
@@ -143,7 +146,7 @@ def autotune_xla_flags(path: str, xla_flags: str) -> tuple[str, str]:
         if p.stat().st_size == 0:
             raise ConfigError(f"--autotune-file {path} is empty (no GPU autotuning was recorded "
                               "in it); delete it to record a new one")
-        mode, flag = "load", f"{_AUTOTUNE_FLAGS[0]}={p.resolve()}"
+        mode, flag = "load", f"{_AUTOTUNE_FLAGS[0]}={p.resolve()} {_REQUIRE_COMPLETE}"
     else:
         if not p.parent.is_dir():
             raise ConfigError(f"--autotune-file {path}: folder {p.parent} does not exist")
@@ -151,12 +154,31 @@ def autotune_xla_flags(path: str, xla_flags: str) -> tuple[str, str]:
     return mode, f"{xla_flags} {flag}".strip()
 
 
-def enable_compilation_cache() -> None:
+def _jax_backend_started() -> bool:
+    """Whether this process has started a JAX backend already (XLA then ignores new flags)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # private API moved: assume not started
+        return False
+
+
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def enable_compilation_cache(subdir: str = "") -> None:
     """Keep compiled XLA programs on disk so a second run skips compilation.
 
     ``$JAX_COMPILATION_CACHE_DIR`` wins; else ``$XDG_CACHE_HOME/jdqn/xla`` (``~/.cache``);
     ``JDQN_XLA_CACHE=0`` turns it off. Cached programs are the same programs: results do not
-    change.
+    change. ``subdir`` keeps programs compiled under different inputs apart (JAX's cache key
+    holds the XLA flags but not the contents of an autotune file they name).
     """
     if os.environ.get("JDQN_XLA_CACHE", "1") == "0":
         return
@@ -164,7 +186,7 @@ def enable_compilation_cache() -> None:
 
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jdqn" / "xla")
-    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_compilation_cache_dir", str(Path(path) / subdir) if subdir else path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -176,23 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             print(features_summary(cfg))
             return 0
         out = resolve_output_dir(args.config, args.output_dir, args.resume)
-        autotune = None
         if args.autotune_file:
-            autotune, flags = autotune_xla_flags(args.autotune_file,
-                                                 os.environ.get("XLA_FLAGS", ""))
-            os.environ["XLA_FLAGS"] = flags
+            return _run_with_autotune_file(cfg, out, args)
         write_resolved_config(cfg, out, args.resume)
-        if autotune != "dump":  # recording needs every program compiled (and autotuned) here
-            enable_compilation_cache()
+        enable_compilation_cache()
         from jdqn.train.job import run_job
 
         run_job(cfg, out, resume=args.resume)
         print(f"run written to {out}")
-        if autotune == "dump":
-            f = Path(args.autotune_file)
-            print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
-                  "to later runs" if f.is_file() and f.stat().st_size else
-                  f"nothing recorded in {f}: no GPU autotuning ran (CPU backend)")
         return 0
     except JdqnError as e:
         print(f"jdqn: error: {e}", file=sys.stderr)
@@ -204,6 +217,52 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jdqn: interrupted", file=sys.stderr)
         return 130
+
+
+def _run_with_autotune_file(cfg: Config, out: Path, args: argparse.Namespace) -> int:
+    """The job under ``--autotune-file`` (see :func:`autotune_xla_flags`); XLA_FLAGS is restored
+    afterwards."""
+    path = args.autotune_file
+    if _jax_backend_started():
+        raise ConfigError(f"--autotune-file {path}: JAX has already started in this process "
+                          "and XLA reads its flags once; give it on the command line")
+    before = os.environ.get("XLA_FLAGS")
+    mode, flags = autotune_xla_flags(path, before or "")
+    os.environ["XLA_FLAGS"] = flags
+    try:
+        write_resolved_config(cfg, out, args.resume)
+        import jax
+
+        if mode == "dump":  # every program must compile (and autotune) here to be recorded
+            jax.config.update("jax_enable_compilation_cache", False)
+        else:
+            enable_compilation_cache(f"autotune-{_file_digest(Path(path))}")
+        from jdqn.train.job import run_job
+
+        try:
+            run_job(cfg, out, resume=args.resume)
+        except JdqnError:
+            raise
+        except Exception as e:  # XLA refusing the file (incomplete, foreign, corrupt)
+            if "autotun" not in str(e).lower():
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"--autotune-file {path}: XLA could not compile with it ({first}). A file holds "
+                "the kernel choices of one config on one GPU model and XLA version, recorded by "
+                "a run that compiled every program; delete it to record a new one") from e
+        print(f"run written to {out}")
+        f = Path(path)
+        if mode == "dump":
+            print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
+                  "to later runs of this config" if f.is_file() and f.stat().st_size else
+                  f"nothing recorded in {f}: no GPU autotuning ran (CPU backend)")
+        return 0
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def cli() -> None:

@@ -170,7 +170,8 @@ def test_autotune_file_records_first_then_loads(tmp_path):
     assert mode == "dump" and flags == f"--xla_foo=1 --xla_gpu_dump_autotune_results_to={f}"
     f.write_text("results {}")
     mode, flags = autotune_xla_flags(str(f), "")
-    assert mode == "load" and flags == f"--xla_gpu_load_autotune_results_from={f}"
+    assert mode == "load" and flags == (f"--xla_gpu_load_autotune_results_from={f} "
+                                        "--xla_gpu_require_complete_aot_autotune_results=true")
     bad = [(str(tmp_path), "", "is a folder"),
            (str(tmp_path / "nope" / "at.pb"), "", "does not exist"),
            (str(tmp_path / "a b.pb"), "", "with spaces"),
@@ -187,3 +188,37 @@ def test_autotune_file_records_first_then_loads(tmp_path):
                   "--autotune-file", str(tmp_path))
     assert_user_error(res, "--autotune-file", "is a folder")
     assert not (tmp_path / "run").exists()
+
+
+def test_autotune_file_in_process_errors_and_env_restored(tmp_path, monkeypatch, capsys):
+    import jax.numpy as jnp
+
+    import jdqn.main as cli_main
+    import jdqn.train.job as job_lib
+
+    # JAX runs first (XLA parses XLA_FLAGS once, at its start; an unknown flag there aborts).
+    float(jnp.ones(2).sum())
+    monkeypatch.setenv("JDQN_XLA_CACHE", "0")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    f = tmp_path / "at.textproto"
+    f.write_text("results {}")
+    args = ["--config", "configs/quickstart.toml", "--autotune-file", str(f)]
+    # JAX already ran in this process: XLA would ignore the flags, so the run is refused.
+    assert cli_main.main([*args, "--output-dir", str(tmp_path / "a")]) == 2
+    assert "JAX has already started" in capsys.readouterr().err
+    # XLA refusing the file (here faked) is a one-line error naming it; the flags it ran under
+    # demand complete results, and XLA_FLAGS is restored afterwards.
+    seen = {}
+
+    def fake_run_job(cfg, out, resume=False):
+        seen["flags"] = os.environ["XLA_FLAGS"]
+        raise RuntimeError("INTERNAL: Autotuning results for fusion.3 are missing\nmore")
+
+    monkeypatch.setattr(cli_main, "_jax_backend_started", lambda: False)
+    monkeypatch.setattr(job_lib, "run_job", fake_run_job)
+    assert cli_main.main([*args, "--output-dir", str(tmp_path / "b")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and f"--autotune-file {f}: XLA could not compile with it" in err[0]
+    assert "--xla_gpu_require_complete_aot_autotune_results=true" in seen["flags"]
+    assert f"--xla_gpu_load_autotune_results_from={f}" in seen["flags"]
+    assert os.environ["XLA_FLAGS"] == "--xla_foo=1"
