@@ -205,3 +205,22 @@ def test_a_seed_trains_the_same_alone_and_beside_other_seeds(tmp_path):
     assert [f["epochs"] for f in both["folds"]] != [f["epochs"] for f in other["folds"]]
     recs = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["training_seeds"] == [1] or r["training_seeds"] == [0] for r in recs)
+
+
+def test_event_bar_annualisation_reads_no_test_window_bar(monkeypatch):
+    # Volume/dollar bars are annualised by their mean spacing; that spacing is measured on the
+    # bars before the test window, so how fast the test window trades cannot scale a reported
+    # Sharpe (the whole series' spacing did).
+    from jdqn.evaluate.metrics import periods_per_year
+
+    cfg = tiny_config("data.bar_type='volume'")
+    bars, feats, hit = job_lib.load_or_build(cfg)
+    plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
+    ns = 1_000_000_000
+    got = []
+    for test_spacing in (10, 60):
+        gaps = np.where(np.arange(len(bars.close)) < plan.test[0], 10, test_spacing) * ns
+        moved = dataclasses.replace(bars, ts=bars.ts[0] + np.cumsum(gaps).astype(np.int64))
+        monkeypatch.setattr(job_lib, "load_or_build", lambda cfg, b=moved: (b, feats, hit))
+        got.append(job_lib.prepare(cfg).ppy)
+    assert got[0] == got[1] == pytest.approx(periods_per_year(10.0, cfg.eval))

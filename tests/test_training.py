@@ -416,6 +416,24 @@ def test_run_job_refuses_a_folder_holding_another_run(tmp_path):
         assert sorted(p.name for p in out.iterdir()) == [name.split("/")[0]]
 
 
+def test_fold_start_placeholders_never_become_training_data():
+    # With K ≤ n − 1 collection steps the first iteration stores only the incomplete n-step
+    # window's placeholders (t = 0, priority 0). Counting them towards min_replay let PER's
+    # all-zero fallback sample them and give them priorities: fake transitions from bar 0.
+    cfg = tiny_config("logging.tensorboard=false", "train.collect_steps=1", "train.n_step=3",
+                      "train.min_replay=32", "train.iters_per_epoch=6")
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    state, m = make_epoch_fn(p.learner)(state, env_params, jnp.asarray(0, jnp.int32))
+    r = jax.device_get(state.replay)
+    size = int(r.size[0])
+    t, pr = np.asarray(r.storage.t[0, :size]), np.asarray(r.priorities[0, :size])
+    lo = p.plan.folds[0].train[0]
+    assert float(m["n_updates"][0]) > 0 and (t < lo).any()  # updates ran; placeholders exist
+    assert not ((t < lo) & (pr > 0)).any()  # none of them can ever be sampled
+
+
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     cfg = tiny_config()
     out = tmp_path / "run"

@@ -112,6 +112,12 @@ def add(state: ReplayState, items: PyTree) -> ReplayState:
     )
 
 
+def n_sampleable(state: ReplayState) -> jax.Array:
+    """Number of slots :func:`sample` can draw: filled, with a positive priority (i32 [])."""
+    filled = jnp.arange(state.capacity) < state.size
+    return jnp.sum(filled & (state.priorities > 0)).astype(jnp.int32)
+
+
 def _blocks(capacity: int) -> tuple[int, int]:
     """(G, S): block count and a power-of-two block size ≈ √C."""
     s = 1 << max(0, math.ceil(math.log2(max(1.0, math.sqrt(capacity)))))

@@ -253,7 +253,11 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
             state.monitor, flags, state.update_step, fold))
     col_stats.pop("finite_rewards")
     col_stats.pop("finite_logits")
-    ready = state.replay.size >= c.min_replay
+    # Updates start once min_replay transitions can be *sampled*: the invalid slots of a fold
+    # start's incomplete n-step window are stored with priority 0 and must not count (were
+    # they all the replay held, PER's all-zero fallback would sample them uniformly and give
+    # them a priority, making fake transitions from bar 0 training data).
+    ready = per.n_sampleable(state.replay) >= c.min_replay
 
     def updates(st):
         def body(s, _):

@@ -29,6 +29,7 @@ import numpy as np
 
 from jdqn.config import Config, ConfigError
 from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
+from jdqn.data.bars import event_bar_seconds
 from jdqn.env import core as env_core
 from jdqn.errors import CheckpointError
 from jdqn.evaluate.backtest import BacktestResult, rollout
@@ -73,8 +74,14 @@ def prepare(cfg: Config) -> Prepared:
                           f"shortest train window ({shortest} bars, fold 0); use ≤ "
                           f"{shortest - 1}, fewer folds or more data")
     learner = Learner.create(cfg, feats.flow_idx, layout.width)
+    bar_seconds = bars.bar_seconds
+    if cfg.data.bar_type != "time":
+        # Event bars: the mean in-session spacing of the bars before the test window only, so
+        # the test window's trading pace cannot scale any reported Sharpe (the cached bars
+        # carry the whole series' spacing).
+        bar_seconds = event_bar_seconds(bars.ts[: plan.test[0]])
     return Prepared(bars, feats, layout, plan, learner,
-                    periods_per_year(bars.bar_seconds, cfg.eval), hit)
+                    periods_per_year(bar_seconds, cfg.eval), hit)
 
 
 def fold_env_params(cfg: Config, p: Prepared, fold_index: int) -> env_core.EnvParams:
