@@ -20,5 +20,9 @@ class CheckpointError(JdqnError):
     """A checkpoint that cannot be restored (corrupt, foreign layout, missing)."""
 
 
+class LogError(JdqnError):
+    """A run's log (``metrics.jsonl``) that a resume cannot continue (a damaged line)."""
+
+
 class TrainingHalted(JdqnError):
     """Training stopped by a safety check (non-finite tensor, Q drift)."""

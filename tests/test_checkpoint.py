@@ -151,6 +151,18 @@ def test_foreign_layout_is_refused_with_a_clear_message(tmp_path):
             ck.restore(9, _state())
 
 
+def test_checkpoint_of_other_data_or_config_is_refused_naming_the_part(tmp_path):
+    d = tmp_path / "ck"
+    with Checkpointer(d, fingerprint="features=a1;data=d1;config=c1") as ck:
+        ck.save(1, _state(), {"val_sharpe": 1.0})
+    for want, names in (("features=a1;data=d2;config=c1", ["market data (d1 in the checkpoint vs d2 now)"]),
+                        ("features=a1;data=d2;config=c2", ["market data", "config (c1"])):
+        with Checkpointer(d, fingerprint=want) as ck, pytest.raises(CheckpointError) as e:
+            ck.restore(1, _state())
+        assert "written for other" in str(e.value)
+        assert all(n in str(e.value) for n in names), str(e.value)
+
+
 @pytest.mark.parametrize("damage", ["data", "layout", "metadata"])
 def test_corrupted_checkpoint_is_refused_naming_the_path(tmp_path, damage):
     d = tmp_path / "ck"

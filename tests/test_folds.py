@@ -224,3 +224,18 @@ def test_event_bar_annualisation_reads_no_test_window_bar(monkeypatch):
         monkeypatch.setattr(job_lib, "load_or_build", lambda cfg, b=moved: (b, feats, hit))
         got.append(job_lib.prepare(cfg).ppy)
     assert got[0] == got[1] == pytest.approx(periods_per_year(10.0, cfg.eval))
+
+
+def test_run_fingerprint_covers_features_data_and_config():
+    # A resume checks this string (in the checkpoint's layout fingerprint): changed market data
+    # moves the fold windows, a changed config makes it another run; both must be refused.
+    def parts(*overrides):
+        fp = job_lib.feature_schema(job_lib.prepare(tiny_config(*overrides)))
+        return dict(kv.split("=") for kv in fp.split(";"))
+
+    base = parts()
+    assert parts() == base
+    other_data = parts("data.synthetic.seed=5")
+    other_cfg = parts("train.lr=0.002")
+    assert other_data["data"] != base["data"] and other_data["features"] == base["features"]
+    assert other_cfg["config"] != base["config"] and other_cfg["data"] == base["data"]

@@ -26,6 +26,23 @@ def test_truncate_keeps_records_up_to_the_epoch_and_drops_a_torn_line(tmp_path):
     assert [r["global_epoch"] for r in _records(path)] == [1, 2]
 
 
+def test_truncate_refuses_a_damaged_line_before_the_last_and_changes_nothing(tmp_path):
+    from jdqn.errors import LogError
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"global_epoch": e}).encode() for e in (1, 2, 3)]
+    for bad in (b"[1, 2]", b"\xff\xfe not utf-8", b"{torn"):
+        data = b"\n".join([good[0], bad, good[1], good[2]]) + b"\n"
+        path.write_bytes(data)
+        with pytest.raises(LogError, match="line 2 is not a JSON record"):
+            truncate_jsonl(path, 2)
+        assert path.read_bytes() == data  # nothing dropped
+    # The same damage on the last line is a torn write of a killed run: dropped.
+    path.write_bytes(b"\n".join([good[0], good[1], b"\xff{"]))
+    truncate_jsonl(path, 5)
+    assert path.read_bytes() == b"\n".join(good[:2]) + b"\n"
+
+
 def test_truncate_counts_lines_for_records_without_a_global_epoch(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"epoch": e}) + "\n" for e in range(5)))

@@ -434,6 +434,22 @@ def test_fold_start_placeholders_never_become_training_data():
     assert not ((t < lo) & (pr > 0)).any()  # none of them can ever be sampled
 
 
+def test_resume_refuses_a_checkpoint_without_loop_state(tmp_path):
+    from jdqn.train import checkpoint as ckpt_lib
+
+    cfg = tiny_config()
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    out = tmp_path / "run"
+    ck = ckpt_lib.Checkpointer(out / "checkpoints", fingerprint=job_lib.feature_schema(p),
+                               async_save=False)
+    ck.save(1, state, {"val_sharpe": 0.0, "fold": 0}, extra_json={})
+    ck.close()
+    with pytest.raises(CheckpointError, match=r"checkpoints/1: its loop state .* lacks"):
+        job_lib.run_job(cfg, out, resume=True, quiet=True)
+
+
 def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
     cfg = tiny_config()
     out = tmp_path / "run"

@@ -67,11 +67,28 @@ def layout_fingerprint(state: PyTree, schema: str = "") -> dict[str, Any]:
     return {**body, "sha256": digest}
 
 
+_SCHEMA_PARTS = {"features": "the features", "data": "the market data",
+                 "config": "the config"}
+
+
+def _schema_diff(saved: str, want: str) -> str:
+    """Which part of a ``k=v;k=v`` schema string differs (the job's: features, data, config)."""
+    def parts(text: str) -> dict[str, str]:
+        return dict(kv.split("=", 1) for kv in text.split(";") if "=" in kv)
+
+    a, b = parts(saved), parts(want)
+    if not a or not b:
+        return f"feature schema {saved!r} in the checkpoint vs {want!r} expected"
+    named = [f"{_SCHEMA_PARTS.get(k, k)} ({a.get(k)} in the checkpoint vs {b.get(k)} now)"
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return "it was written for other " + " and ".join(
+        n.removeprefix("the ") for n in named)
+
+
 def _layout_diff(saved: dict[str, Any], want: dict[str, Any], limit: int = 6) -> str:
     out = []
     if saved.get("schema") != want["schema"]:
-        out.append(f"feature schema {saved.get('schema')!r} in the checkpoint vs "
-                   f"{want['schema']!r} expected")
+        out.append(_schema_diff(str(saved.get("schema")), str(want["schema"])))
     a = {p: (s, d) for p, s, d in saved.get("leaves", [])}
     b = {p: (s, d) for p, s, d in want["leaves"]}
     only_a, only_b = [p for p in a if p not in b], [p for p in b if p not in a]

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdqn.config import Config, ConfigError
+from jdqn.config import Config, ConfigError, dumps_toml
 from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
 from jdqn.data.bars import event_bar_seconds
 from jdqn.env import core as env_core
@@ -97,13 +97,27 @@ def fold_env_params(cfg: Config, p: Prepared, fold_index: int) -> env_core.EnvPa
 
 
 def feature_schema(p: Prepared) -> str:
-    """What a checkpoint's observations mean: feature names, cache schema, state width.
+    """What a checkpoint belongs to, as ``features=…;data=…;config=…`` digests: the meaning of
+    its observations (feature names, cache schema, state width, flow columns), the market data
+    it was trained on (every bar's time and OHLCV) and the whole resolved config.
 
     The checkpointer combines it with the state's tree structure, shapes and dtypes into the
-    layout fingerprint that every restore checks."""
-    blob = json.dumps({"features": list(p.feats.names), "schema": SCHEMA_VERSION,
+    layout fingerprint that every restore checks, so a resume on changed data (which moves the
+    fold windows: a new test window could overlap bars already used for validation) or under
+    a changed config is refused, naming which part differs."""
+    def digest(*parts: Any) -> str:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(np.ascontiguousarray(part).tobytes() if isinstance(part, np.ndarray)
+                     else json.dumps(part, sort_keys=True).encode())
+        return h.hexdigest()[:16]
+
+    b = p.bars
+    features = digest({"features": list(p.feats.names), "schema": SCHEMA_VERSION,
                        "width": p.layout.width, "flow_idx": list(p.feats.flow_idx)})
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    data = digest(len(b.close), b.ts, b.open, b.high, b.low, b.close, b.volume)
+    config = digest(dumps_toml(p.learner.cfg))
+    return f"features={features};data={data};config={config}"
 
 
 @functools.cache
@@ -208,6 +222,13 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
             if ckpt.latest_step() is None:
                 raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
             state, progress = ckpt.restore(ckpt.latest_step(), abstract)
+            fresh = _fresh_progress(len(cfg.train.seeds))
+            lacking = sorted(set(fresh) - set(progress if isinstance(progress, dict) else {}))
+            if lacking:
+                raise CheckpointError(
+                    f"{out / 'checkpoints' / str(ckpt.latest_step())}: its loop state (extra) "
+                    f"lacks {', '.join(lacking)}; the checkpoint is damaged or not this "
+                    "program's")
         logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet,
                            resume_epoch=progress["global_epoch"] if resume else None)
         logger.advance(progress["global_epoch"])

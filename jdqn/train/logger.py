@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jdqn.config import LoggingConfig
+from jdqn.errors import LogError
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -41,18 +42,28 @@ def _json_safe(v: Any) -> Any:
 
 def truncate_jsonl(path: Path, last_epoch: int) -> None:
     """Keep the records of ``path`` up to global epoch ``last_epoch`` (records without a
-    ``global_epoch`` count by line), dropping later ones and a torn last line. Atomic rewrite."""
+    ``global_epoch`` count by line), dropping later ones and a torn last line. Atomic rewrite.
+    Any other line that is not a JSON object is a damaged log: refused, naming the line, and
+    the file is left as it is."""
     if not path.exists():
         return
+    lines = path.read_bytes().split(b"\n")
+    if lines and not lines[-1].strip():
+        lines.pop()
     kept = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for i, raw in enumerate(lines):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a line cut short by the kill: nothing after it was written either
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            rec = None
+        if not isinstance(rec, dict):
+            if i == len(lines) - 1:
+                break  # a line cut short by the kill: nothing after it was written either
+            raise LogError(f"{path}: line {i + 1} is not a JSON record; the log is damaged "
+                           "(fix or remove that line to resume)")
         if int(rec.get("global_epoch", i + 1)) > last_epoch:
             break
-        kept.append(line + "\n")
+        kept.append(raw.decode("utf-8") + "\n")
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
