@@ -102,3 +102,58 @@ def test_missing_input_is_a_data_error_not_a_traceback(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, source="ticks", path=str(tmp_path / "nope.csv"))
     with pytest.raises(DataError, match=r"nope\.csv: data file not found"):
         load_or_build(cfg)
+
+
+
+def _array(name: str, change):
+    def corrupt(a: dict, m: dict) -> dict:
+        a[name] = change(a[name])
+        return m
+    return corrupt
+
+
+def _no_close(a: dict, m: dict) -> dict:
+    del a["bars.close"]
+    return m
+
+
+def _nan_last(v: np.ndarray) -> np.ndarray:
+    v = v.copy()
+    v[-1, 0] = np.nan
+    return v
+
+
+# each changes the arrays in place and returns the meta to write (the key still matches)
+CORRUPTIONS = {
+    "missing array": _no_close,
+    "meta not an object": lambda a, m: [m],
+    "non-numeric bar_seconds": lambda a, m: {**m, "bar_seconds": "1min"},
+    "missing names": lambda a, m: {k: v for k, v in m.items() if k != "names"},
+    "flow_idx out of range": lambda a, m: {**m, "flow_idx": [999]},
+    "100 feature rows": _array("features.values", lambda v: v[:100]),
+    "non-finite feature": _array("features.values", _nan_last),
+    "descending bar times": _array("bars.ts", lambda v: v[::-1]),
+    "short bar field": _array("bars.volume", lambda v: v[:-1]),
+}
+
+
+@pytest.mark.parametrize("corrupt", list(CORRUPTIONS))
+def test_inconsistent_cache_with_matching_key_is_rebuilt_with_a_warning(tmp_path: Path,
+                                                                        corrupt: str) -> None:
+    """A file whose key matches but whose parts are missing or disagree used to raise a
+    TypeError/KeyError/AttributeError traceback or be used as it was (loading skipped
+    Bars.check)."""
+    cfg = _cfg(tmp_path)
+    fresh = load_or_build(cfg)
+    path = next((tmp_path / "cache").glob("*.npz"))
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = CORRUPTIONS[corrupt](arrays, json.loads(arrays["meta"].tobytes()))
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    with pytest.warns(UserWarning, match=r"\.npz: unreadable feature cache .*rebuilding"):
+        rebuilt = load_or_build(cfg)
+    assert rebuilt[2] is False
+    _same(fresh, rebuilt)
+    assert load_or_build(cfg)[2] is True

@@ -3,6 +3,7 @@ and the real ES ticks against an independent pandas resample."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from jdqn.config import ColumnMap, DataConfig
 from jdqn.data import load_bars, parse_bar_size, ticks_to_bars
-from jdqn.data.bars import NS, trade_signs
+from jdqn.data.bars import NS, check_ticks, trade_signs
 from jdqn.errors import DataError
 
 SHARED = Path(__file__).parents[1].parent / "shared" / "data"
@@ -139,3 +140,15 @@ def test_es_ticks_to_1min_bars_match_pandas_resample() -> None:
     cfg = DataConfig(source="ticks", path=str(ES_FULL), columns=ES_COLUMNS,
                      timezone="America/Chicago", bar_size="1min")
     _check_against_pandas(cfg, _pandas_bars(ES_FULL))
+
+
+def test_ordering_checks_do_not_wrap_on_int64() -> None:
+    """9e18 → −9e18 goes back in time, but np.diff wraps it to a positive step."""
+    ts = np.array([9 * 10**18, -9 * 10**18], np.int64)
+    one = np.ones(2)
+    with pytest.raises(DataError, match="src: event timestamps are not ascending "
+                                        r"\(event 2 is before event 1\)"):
+        check_ticks(ts, one, one, "src")
+    bars = ticks_to_bars(np.array([T0, T0 + NS]), one, one, bar_ns=NS, source="src")
+    with pytest.raises(DataError, match="src: bar close times are not strictly ascending"):
+        dataclasses.replace(bars, ts=ts).check()

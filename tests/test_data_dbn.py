@@ -205,3 +205,52 @@ def test_real_trades_and_ohlcv_files() -> None:
 def test_real_unsupported_schemas_are_refused(name: str) -> None:
     with pytest.raises(DataError, match="not supported"):
         load_bars(DataConfig(source="dbn", path=str(DBN_DIR / name)))
+
+
+def test_timestamp_past_int64_is_refused_not_wrapped(tmp_path: Path) -> None:
+    """ts_recv = 2**63 + 5 turned negative as int64, and np.diff wrapped back to positive, so the
+    file passed the ordering checks."""
+    raw = tk.random_ticks(np.random.default_rng(0), 50, 10.0)
+    recs = tk.trade_records(raw)
+    r = recs[10]
+    recs[10] = dbn.TradeMsg(publisher_id=1, instrument_id=1, ts_event=r.ts_event, price=r.price,
+                            size=r.size, action=dbn.Action.TRADE, side=dbn.Side.BID, depth=0,
+                            ts_recv=2**63 + 5)
+    path = tmp_path / "late.dbn"
+    path.write_bytes(tk.encode_dbn(dbn.Schema.TRADES, recs))
+    with pytest.raises(DataError, match=r"late\.dbn: record 11, field 'ts_recv': timestamp "
+                                        r"9223372036854775813 is undefined or out of range"):
+        load_bars(DataConfig(source="dbn", path=str(path), bar_size="1s"))
+
+
+def test_dbn_ohlcv_high_below_low_is_refused(tmp_path: Path) -> None:
+    bars = tk.random_ohlcv(np.random.default_rng(3), 20)
+    bars["high"][4] = bars["low"][4] - 1.0
+    path = tk.write_dbn(tmp_path / "o.dbn", "ohlcv-1m", bars)
+    with pytest.raises(DataError, match=r"o\.dbn: record 5, field 'high': high .* do not "
+                                        "bracket open"):
+        load_bars(DataConfig(source="dbn", path=str(path)))
+
+
+@pytest.mark.parametrize("field,level", [("bid_px", 0), ("ask_px", 0), ("bid_px", 3)])
+def test_mbp10_non_positive_book_price_is_refused(tmp_path: Path, field: str,
+                                                  level: int) -> None:
+    raw = tk.random_mbp10(np.random.default_rng(1), 50, 10.0)
+    raw[field][7, level] = -tk._px(0.25)
+    path = tk.write_dbn(tmp_path / "m.dbn", "mbp-10", raw)
+    with pytest.raises(DataError, match=rf"m\.dbn: record 8, field '{field}' \(level {level}\): "
+                                        "non-positive price -0.25"):
+        load_bars(DataConfig(source="dbn", path=str(path), bar_size="1s"))
+
+
+def test_mbp10_crossed_book_is_kept_with_a_warning(tmp_path: Path) -> None:
+    """Real books cross or lock in pre-open and auctions: loaded, but never silently."""
+    raw = tk.random_mbp10(np.random.default_rng(1), 50, 10.0)
+    raw["bid_px"][[7, 9], 0] = raw["ask_px"][[7, 9], 0]  # locked
+    raw["bid_px"][20, 0] = raw["ask_px"][20, 0] + tk._px(0.25)  # crossed
+    raw["ask_px"][30, 0] = dbn.UNDEF_PRICE  # an empty ask side is not a crossed book
+    path = tk.write_dbn(tmp_path / "m.dbn", "mbp-10", raw)
+    with pytest.warns(UserWarning, match=r"m\.dbn: 3 of 50 records have a crossed or locked "
+                                         r"book .*first: record 8"):
+        b = load_bars(DataConfig(source="dbn", path=str(path), bar_size="1s"))
+    assert b.has_book

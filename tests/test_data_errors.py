@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from jdqn.config import ColumnMap, DataConfig
@@ -183,3 +184,40 @@ def test_truncated_dbn_and_out_of_range_unix_stamps(tmp_path: Path) -> None:
     text = "timestamp,price,size\n1704205800,10,1\n-1e30,10,1\n"
     msg = _error(_ticks(tmp_path, text, timestamp_format="unix_s"))
     assert "row 2 (line 3), field 'timestamp'" in msg and "out of range" in msg
+
+
+def _bars_csv(stamps: pd.DatetimeIndex) -> str:
+    return "timestamp,open,high,low,close,volume\n" + "".join(
+        f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)
+
+
+def test_ohlcv_spacing_must_match_bar_size(tmp_path: Path) -> None:
+    """Daily bars read as 1-min bars would annualise with 347,760 periods a year instead of 252
+    (Sharpe ×37); 1-min bars read as 1-h bars deflate it. The median spacing within sessions
+    must lie in [0.5, 2] × bar_size."""
+    daily = pd.bdate_range("2024-01-02 21:00", periods=40)  # weekends: 3-day gaps
+    msg = _error(_ohlcv(tmp_path, _bars_csv(daily)))
+    assert "in.csv" in msg and "1d apart" in msg and "'1min'" in msg and "data.bar_size" in msg
+    assert len(load_bars(_ohlcv(tmp_path, _bars_csv(daily), bar_size="1d"))) == 40
+    minutes = pd.date_range("2024-01-02 14:30", periods=90, freq="1min")
+    minutes = minutes[:45].append(minutes[45:] + pd.Timedelta(hours=18))  # overnight closure
+    msg = _error(_ohlcv(tmp_path, _bars_csv(minutes), bar_size="1h"))
+    assert "1min apart" in msg and "'1h'" in msg
+    assert len(load_bars(_ohlcv(tmp_path, _bars_csv(minutes)))) == 90
+    assert len(load_bars(_ohlcv(tmp_path, _bars_csv(minutes[::2]), bar_size="2min"))) == 45
+
+
+def test_empty_timezone_and_bad_strftime_pattern_name_the_setting(tmp_path: Path) -> None:
+    for tz in ("", " "):
+        msg = _error(_ticks(tmp_path, TICKS, timezone=tz))
+        assert "in.csv" in msg and "data.timezone is empty" in msg
+    msg = _error(_ticks(tmp_path, TICKS, timestamp_format="%Q"))
+    assert "in.csv" in msg and "data.timestamp_format = '%Q'" in msg and "bad directive" in msg
+
+
+@pytest.mark.parametrize("bar_type", ["volume", "dollar"])
+def test_threshold_above_the_whole_input_is_no_complete_bar(tmp_path: Path,
+                                                            bar_type: str) -> None:
+    msg = _error(_ticks(tmp_path, TICKS, bar_type=bar_type, bar_threshold=1e12))
+    assert "in.csv: no complete bar could be formed from 3 events" in msg
+    assert "data.bar_threshold = 1e+12" in msg

@@ -40,12 +40,18 @@ def event_bar_seconds(close_ts: np.ndarray) -> float:
     and are left out: counting them (the whole-series mean) would put trading-session seconds
     over calendar seconds and understate every Sharpe by up to √1.5. One bar (or only closure
     gaps) gives 1.0."""
+    inside = session_gaps(close_ts)
+    return float(inside.mean()) if inside.size and inside.mean() > 0 else 1.0
+
+
+def session_gaps(close_ts: np.ndarray) -> np.ndarray:
+    """Seconds between consecutive (ascending) bar closes, closures left out: gaps longer than
+    ``max(30 min, 50 × the median gap)`` (see :func:`event_bar_seconds`). float64."""
     gaps = np.diff(np.asarray(close_ts, np.int64)).astype(np.float64) / NS
     if gaps.size == 0:
-        return 1.0
+        return gaps
     limit = max(CLOSURE_GAP_S, 50.0 * float(np.median(gaps)))
-    inside = gaps[gaps <= limit]
-    return float(inside.mean()) if inside.size and inside.mean() > 0 else 1.0
+    return gaps[gaps <= limit]
 
 
 def parse_bar_size(text: str) -> int:
@@ -116,7 +122,7 @@ class Bars:
         for name, v in self.arrays().items():
             if v.shape[0] != t:
                 raise DataError(f"{self.source}: bar field {name} has {v.shape[0]} rows, not {t}")
-        if t and not (np.diff(self.ts) > 0).all():
+        if t and not (self.ts[1:] > self.ts[:-1]).all():  # not np.diff: int64 can wrap
             raise DataError(f"{self.source}: bar close times are not strictly ascending")
         return self
 
@@ -185,7 +191,7 @@ def bar_starts(ts: np.ndarray, size: np.ndarray, price: np.ndarray, bar_type: st
     # the bar is exactly the interval (close(t-1), close(t)]
     last = np.searchsorted(ts, ts[cross], side="right") - 1
     ends = np.unique(last) + 1
-    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1]])[:ends.shape[0]].astype(np.int64)  # [] if no bar
     return starts, ends.astype(np.int64), ts[ends - 1]
 
 
@@ -198,7 +204,10 @@ def events_to_bars(ts: np.ndarray, price: np.ndarray, size: np.ndarray, sign: np
     """
     starts, ends, close_ts = bar_starts(ts, size, price, bar_type, bar_ns, threshold)
     if starts.shape[0] == 0:
-        raise DataError(f"{source}: no complete bar could be formed from {ts.shape[0]} events")
+        hint = "" if bar_type == "time" else \
+            f" (data.bar_threshold = {threshold:g} is more than the whole input's {bar_type})"
+        raise DataError(f"{source}: no complete bar could be formed from {ts.shape[0]} "
+                        f"events{hint}")
     n_used = int(ends[-1])
     ts, price, size, sign = ts[:n_used], price[:n_used], size[:n_used], sign[:n_used]
     buy = size * (sign.astype(np.float64) + 1.0) * 0.5  # sign 0 → half the volume each way
@@ -221,6 +230,11 @@ def events_to_bars(ts: np.ndarray, price: np.ndarray, size: np.ndarray, sign: np
     )
 
 
+def ohlc_inconsistent(o: np.ndarray, h: np.ndarray, lo: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Mask of bars whose high/low do not bracket their open and close (bool [T])."""
+    return (h < lo) | (h < np.maximum(o, c) * (1 - 1e-12)) | (lo > np.minimum(o, c) * (1 + 1e-12))
+
+
 def check_ticks(ts: np.ndarray, price: np.ndarray, size: np.ndarray, source: str) -> None:
     """Cheap whole-array sanity checks (the readers report the exact row first)."""
     if not np.isfinite(price).all() or not (price > 0).all():
@@ -231,8 +245,10 @@ def check_ticks(ts: np.ndarray, price: np.ndarray, size: np.ndarray, source: str
         bad = int(np.flatnonzero(~(np.isfinite(size) & (size >= 0)))[0])
         raise DataError(f"{source}: event {bad + 1}, field 'size': NaN or negative size "
                         f"{size[bad]!r}")
-    if ts.shape[0] > 1 and (np.diff(ts) < 0).any():
-        raise DataError(f"{source}: event timestamps are not ascending")
+    back = np.flatnonzero(ts[1:] < ts[:-1])  # not np.diff: int64 differences can wrap
+    if back.shape[0]:
+        raise DataError(f"{source}: event timestamps are not ascending (event {back[0] + 2} is "
+                        f"before event {back[0] + 1})")
 
 
 def ticks_to_bars(ts: np.ndarray, price: np.ndarray, size: np.ndarray,

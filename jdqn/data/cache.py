@@ -104,10 +104,15 @@ def save(path: Path, key: str, bars: Bars, feats: FeatureSet) -> None:
 
 
 def load(path: Path, key: str) -> tuple[Bars, FeatureSet] | None:
-    """The cached (bars, features), or None if stale/unreadable; CacheError if foreign schema."""
+    """The cached (bars, features), or None if stale/unreadable; CacheError if foreign schema.
+
+    A file whose key matches but whose contents are incomplete or inconsistent (a missing array
+    or meta field, shapes that disagree) counts as unreadable: it is rebuilt with a warning."""
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes().decode())
+            if not isinstance(meta, dict):
+                raise TypeError("meta is not a JSON object")
             if meta.get("schema_version") != SCHEMA_VERSION:
                 raise CacheError(f"{path}: feature cache written with schema version "
                                  f"{meta.get('schema_version')!r}, this jdqn reads version "
@@ -117,19 +122,47 @@ def load(path: Path, key: str) -> tuple[Bars, FeatureSet] | None:
                 return None
             arrays = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith("bars.")}
             values = z["features.values"]
+        bars, feats = _unpack(meta, arrays, values)
     except CacheError:
         raise
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        # truncated or foreign file: rebuilding is safe
+    except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError,
+            zipfile.BadZipFile) as e:
+        # truncated, foreign or inconsistent file (DataError is a ValueError): rebuilding is safe
         warnings.warn(f"{path}: unreadable feature cache ({type(e).__name__}: {e}); rebuilding",
                       stacklevel=3)
         return None
-    names = {f.name for f in dataclasses.fields(Bars)}
-    bars = Bars(**{k: v for k, v in arrays.items() if k in names},
-                bar_seconds=float(meta["bar_seconds"]), source=meta["source"])
-    feats = FeatureSet(values=values, names=tuple(meta["names"]),
-                       flow_idx=tuple(meta["flow_idx"]), warmup=int(meta["warmup"]))
     return bars, feats
+
+
+def _unpack(meta: dict[str, Any], arrays: dict[str, np.ndarray], values: np.ndarray
+            ) -> tuple[Bars, FeatureSet]:
+    """Bars and features from a cache file's parts, with the checks a fresh build passes."""
+    fields = {f.name for f in dataclasses.fields(Bars)} - {"bar_seconds", "source"}
+    book = {"ofi", "book_depth", "depth_imbalance"}
+    missing = sorted(fields - book - arrays.keys())
+    if missing or len(book & arrays.keys()) not in (0, len(book)):
+        raise ValueError(f"bar arrays missing: {', '.join(missing or sorted(book - arrays.keys()))}")
+    bar_seconds, source, names, flow_idx, warmup = (
+        meta[k] for k in ("bar_seconds", "source", "names", "flow_idx", "warmup"))
+    if isinstance(bar_seconds, bool) or not isinstance(bar_seconds, (int, float)) \
+            or not 0 < bar_seconds < float("inf"):
+        raise ValueError(f"bar_seconds {bar_seconds!r} is not a positive number")
+    if not isinstance(source, str) or not isinstance(names, list) \
+            or not all(isinstance(n, str) for n in names):
+        raise ValueError("source or feature names are not text")
+    bars = Bars(**{k: v for k, v in arrays.items() if k in fields},
+                bar_seconds=float(bar_seconds), source=source).check()
+    if values.dtype != np.float32 or values.shape != (len(bars), len(names)):
+        raise ValueError(f"features are {values.dtype} {values.shape}, expected float32 "
+                         f"({len(bars)}, {len(names)})")
+    if not np.isfinite(values).all():
+        raise ValueError("non-finite feature values")
+    if not isinstance(flow_idx, list) or not all(
+            type(i) is int and 0 <= i < len(names) for i in flow_idx) \
+            or type(warmup) is not int or not 0 <= warmup <= len(bars):
+        raise ValueError(f"flow_idx {flow_idx!r} or warmup {warmup!r} out of range")
+    return bars, FeatureSet(values=values, names=tuple(names), flow_idx=tuple(flow_idx),
+                            warmup=warmup)
 
 
 def load_or_build(cfg: Any) -> tuple[Bars, FeatureSet, bool]:

@@ -8,11 +8,16 @@ records, joined once into one buffer. A plain file of one record type is sliced 
 Times: trades and book updates are stamped with ``ts_recv`` (when the data was known; Databento's
 index time), OHLCV records with ``ts_event`` = the *open* of the interval, so a bar closes at
 ``ts_event + length``. Prices are fixed-point integers, 1 unit = 1e-9.
+
+Checks beyond the trade/tick ones: OHLCV high/low must bracket open and close (as for tables);
+an MBP-10 book price ≤ 0 on any level is refused; a crossed or locked top of book (bid ≥ ask)
+is kept with a warning, since real books cross during pre-open and auctions.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from pathlib import Path
 
 import databento_dbn as dbn
@@ -25,12 +30,14 @@ from jdqn.data.bars import (
     attach_book,
     check_ticks,
     events_to_bars,
+    ohlc_inconsistent,
     parse_bar_size,
     trade_signs,
 )
 from jdqn.errors import DataError
 
 UNDEF_PRICE = np.iinfo(np.int64).max
+TS_MAX = 7_258_118_400 * NS  # 2200-01-01 UTC: later stamps (or UNDEF_TIMESTAMP) are refused
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 _HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"),
@@ -147,9 +154,27 @@ def _trade_sides(side: np.ndarray) -> np.ndarray:
     return np.where(side == b"B", 1, np.where(side == b"A", -1, 0)).astype(np.int8)
 
 
+def _check_book(lv: np.ndarray, path: Path) -> None:
+    """MBP-10 levels ``[N, 10]``: a non-positive price on any level is an error. A crossed or
+    locked top of book (bid ≥ ask at level 0) is kept with a warning: it is the real book during
+    pre-open and auctions, when orders rest without matching. Empty levels carry UNDEF_PRICE."""
+    for field in ("bid_px", "ask_px"):
+        bad = np.argwhere(lv[field] <= 0)
+        if bad.shape[0]:
+            i, m = (int(x) for x in bad[0])
+            raise DataError(f"{path}: record {i + 1}, field '{field}' (level {m}): non-positive "
+                            f"price {lv[field][i, m] / 1e9:g}")
+    bid, ask = lv["bid_px"][:, 0], lv["ask_px"][:, 0]
+    crossed = np.flatnonzero((bid >= ask) & (bid != UNDEF_PRICE) & (ask != UNDEF_PRICE))
+    if crossed.shape[0]:
+        warnings.warn(f"{path}: {crossed.shape[0]} of {bid.shape[0]} records have a crossed or "
+                      f"locked book (level-0 bid ≥ ask; first: record {crossed[0] + 1}); kept, "
+                      "as in pre-open auctions", stacklevel=3)
+
+
 def _sorted_by(rec: np.ndarray, key: str) -> np.ndarray:
     ts = rec[key]
-    if ts.shape[0] > 1 and (np.diff(ts.astype(np.int64)) < 0).any():
+    if (ts[1:] < ts[:-1]).any():  # not np.diff: differences can wrap
         return rec[np.argsort(ts, kind="stable")]
     return rec
 
@@ -160,6 +185,12 @@ def load_dbn(path: Path, cfg: DataConfig) -> Bars:
     schema, rec = read_dbn(path)
     if rec.shape[0] == 0:
         raise DataError(f"{path}: no {schema} records in the file")
+    key = "ts_event" if schema.startswith("ohlcv") else "ts_recv"
+    late = np.flatnonzero(rec[key] >= TS_MAX)  # uint64: int64 would wrap them negative
+    if late.shape[0]:
+        i = int(late[0])
+        raise DataError(f"{path}: record {i + 1}, field '{key}': timestamp {rec[key][i]} is "
+                        "undefined or out of range (after 2200-01-01)")
     rec = _one_instrument(rec, cfg, path)
     src = str(path)
     if schema.startswith("ohlcv"):
@@ -172,16 +203,21 @@ def load_dbn(path: Path, cfg: DataConfig) -> Bars:
         if (np.diff(ts) == 0).any():
             i = int(np.flatnonzero(np.diff(ts) == 0)[0]) + 1
             raise DataError(f"{path}: record {i + 1}, field 'ts_event': duplicate bar time")
+        o, h, lo, c = (_prices(rec[k], cfg.price_scale, path, k)
+                       for k in ("open", "high", "low", "close"))
+        bad = np.flatnonzero(ohlc_inconsistent(o, h, lo, c))
+        if bad.shape[0]:
+            i = int(bad[0])
+            raise DataError(f"{path}: record {i + 1}, field 'high': high {h[i]:g} / low {lo[i]:g} "
+                            f"do not bracket open {o[i]:g} and close {c[i]:g}")
         vol = rec["volume"].astype(np.float64)
         nan = np.full(ts.shape[0], np.nan)
-        return Bars(ts=ts, start_ts=ts - secs * NS,
-                    open=_prices(rec["open"], cfg.price_scale, path, "open"),
-                    high=_prices(rec["high"], cfg.price_scale, path, "high"),
-                    low=_prices(rec["low"], cfg.price_scale, path, "low"),
-                    close=_prices(rec["close"], cfg.price_scale, path, "close"),
+        return Bars(ts=ts, start_ts=ts - secs * NS, open=o, high=h, low=lo, close=c,
                     volume=vol, buy_volume=nan, sell_volume=nan.copy(),
                     n_trades=np.zeros(ts.shape[0], np.int64), bar_seconds=float(secs),
                     source=src).check()
+    if schema == "mbp-10":
+        _check_book(rec["levels"], path)
     rec = _sorted_by(rec, "ts_recv")
     bar_ns = parse_bar_size(cfg.bar_size) if cfg.bar_type == "time" else 0
     trades = rec[rec["action"] == b"T"] if schema == "mbp-10" else rec

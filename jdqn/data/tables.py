@@ -20,7 +20,14 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from jdqn.config import DataConfig
-from jdqn.data.bars import NS, Bars, parse_bar_size, ticks_to_bars
+from jdqn.data.bars import (
+    NS,
+    Bars,
+    ohlc_inconsistent,
+    parse_bar_size,
+    session_gaps,
+    ticks_to_bars,
+)
 from jdqn.errors import DataError
 
 _UNIX = {"unix_s": NS, "unix_ms": 1_000_000, "unix_us": 1_000, "unix_ns": 1}
@@ -172,9 +179,12 @@ def _sides(t: _Table, name: str) -> np.ndarray:
 
 def _localise(idx: pd.DatetimeIndex, tz: str, t: _Table, name: str) -> np.ndarray:
     if idx.tz is None:
+        if not tz.strip():
+            raise DataError(f"{t.path}: data.timezone is empty; the timestamps have no UTC offset, "
+                            "so set it to their zone (e.g. 'UTC' or 'America/Chicago')")
         try:
             idx = idx.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
-        except (KeyError, ValueError) as e:  # unknown zone name
+        except (KeyError, ValueError, IndexError) as e:  # unknown zone name
             raise DataError(f"{t.path}: data.timezone = {tz!r}: {e}") from None
         if idx.isna().any():
             i = int(np.flatnonzero(idx.isna())[0])
@@ -213,8 +223,11 @@ def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
     s = col.to_pandas().astype("string")
     try:
         parsed = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce")
-    except (ValueError, TypeError):  # mixed UTC offsets
-        parsed = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce", utc=True)
+    except (ValueError, TypeError):  # mixed UTC offsets, or a bad strftime pattern
+        try:
+            parsed = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce", utc=True)
+        except (ValueError, TypeError) as e:
+            raise DataError(f"{t.path}: data.timestamp_format = {fmt!r}: {e}") from None
     idx = pd.DatetimeIndex(parsed)
     if idx.isna().any():
         i = int(np.flatnonzero(idx.isna())[0])
@@ -225,14 +238,21 @@ def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
     return _localise(idx, tz, t, name)
 
 
+def _span(seconds: float) -> str:
+    """90 → '90s', 300 → '5min', 86400 → '1d'."""
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"
+
+
 def _order(ts: np.ndarray, path: Path, what: str) -> np.ndarray | None:
     """Permutation that sorts ``ts`` ascending (None if already sorted), with a warning."""
     if ts.shape[0] < 2:
         return None
-    d = np.diff(ts)
-    if (d >= 0).all():
+    if (ts[1:] >= ts[:-1]).all():  # not np.diff: int64 differences can wrap
         return None
-    if (d <= 0).all():
+    if (ts[1:] <= ts[:-1]).all():
         warnings.warn(f"{path}: {what} are in descending time order; sorted ascending",
                       stacklevel=3)
         return np.arange(ts.shape[0] - 1, -1, -1)
@@ -287,7 +307,7 @@ def load_ohlcv(path: Path, cfg: DataConfig) -> Bars:
     h = _prices(t, c.high, "high", cfg.price_scale)
     lo = _prices(t, c.low, "low", cfg.price_scale)
     cl = _prices(t, c.close, "close", cfg.price_scale)
-    bad = (h < lo) | (h < np.maximum(o, cl) * (1 - 1e-12)) | (lo > np.minimum(o, cl) * (1 + 1e-12))
+    bad = ohlc_inconsistent(o, h, lo, cl)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise DataError(f"{t.where(i, c.high)}: high {h[i]:g} / low {lo[i]:g} do not bracket "
@@ -312,6 +332,11 @@ def load_ohlcv(path: Path, cfg: DataConfig) -> Bars:
         stamp = pd.Timestamp(ts[dup[0]], tz="UTC").isoformat()
         raise DataError(f"{t.where(j, c.timestamp)}: duplicate timestamp {stamp} (also row "
                         f"{i + 1}); OHLCV bars need unique timestamps")
+    gaps = session_gaps(ts)
+    if gaps.shape[0] and not 0.5 <= np.median(gaps) * NS / bar_ns <= 2.0:
+        raise DataError(f"{path}: the bars are {_span(float(np.median(gaps)))} apart (median "
+                        f"within sessions), but data.bar_size = {cfg.bar_size!r}; set "
+                        "data.bar_size to the bars' length (1s … 1d)")
     if cfg.timestamp_label == "open":
         ts = ts + bar_ns
     return Bars(ts=ts, start_ts=ts - bar_ns, open=o, high=h, low=lo, close=cl, volume=vol,

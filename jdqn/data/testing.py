@@ -38,8 +38,8 @@ def random_ticks(rng: np.random.Generator, n: int, seconds: float, t0: int = T0,
 def perturb_after(raw: dict[str, np.ndarray], cutoff: int, rng: np.random.Generator,
                   ts_key: str = "ts", drop: float = 0.2) -> dict[str, np.ndarray]:
     """Change every event with ``ts > cutoff``: drop a share of them, re-time the rest (still
-    after ``cutoff``, still sorted) and scramble every other column (prices stay positive and on
-    the tick grid; book levels stay ordered)."""
+    after ``cutoff``, still sorted; OHLCV bars keep their spacing) and scramble every other
+    column (prices stay positive and on the tick grid; book levels stay ordered)."""
     ts = raw[ts_key]
     fut = ts > cutoff
     keep = ~fut | (rng.random(ts.shape[0]) >= drop)
@@ -48,12 +48,14 @@ def perturb_after(raw: dict[str, np.ndarray], cutoff: int, rng: np.random.Genera
     m = int(fut.sum())
     if m == 0:
         return out
-    # stretch the future away from the cutoff: strictly after it, order (and ties) kept
-    out[ts_key][fut] = cutoff + (out[ts_key][fut] - cutoff) * int(rng.integers(2, 4))
+    if "open" in out:  # OHLCV: move the future bars later, keeping their spacing (bar length)
+        out[ts_key][fut] += (out[ts_key][fut][0] - cutoff) * int(rng.integers(1, 4))
+    else:  # stretch the future away from the cutoff: strictly after it, order (and ties) kept
+        out[ts_key][fut] = cutoff + (out[ts_key][fut] - cutoff) * int(rng.integers(2, 4))
     for k, v in out.items():
         if k == ts_key:
             continue
-        if k in ("price", "open", "high", "low", "close"):
+        if k in ("price", "open", "high", "low", "close", "bid_px", "ask_px"):
             continue
         if v.dtype.kind == "f" and v.ndim == 1:
             v[fut] = rng.integers(1, 50, m).astype(np.float64)
