@@ -76,7 +76,7 @@ class ColumnMap:
 class SyntheticConfig:
     """The seeded synthetic market (regimes, volatility clustering, informative order flow)."""
 
-    n_bars: int = fld(20_000, ge=200)  # bars to generate
+    n_bars: int = fld(20_000, ge=200, le=10**9)  # bars to generate
     seed: int = fld(0, ge=0)  # generator seed (independent of the training seed)
     bar_seconds: int = fld(60, ge=1)  # nominal bar length
     start_price: float = fld(4000.0, gt=0)
@@ -104,7 +104,7 @@ class DataConfig:
     bar_threshold: float = fld(0.0, ge=0)  # volume (contracts) or dollar amount per bar
     price_scale: float = fld(1.0, gt=0)  # multiply input prices by this (e.g. cents → dollars)
     timestamp_label: Literal["close", "open"] = "close"  # OHLCV rows: stamp marks bar close/open
-    instrument_id: int = fld(0, ge=0)  # DBN: instrument to keep (0 = the file's only one)
+    instrument_id: int = fld(0, ge=0, lt=2**32)  # DBN: instrument to keep (0 = the only one)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".jdqn_cache"  # feature cache folder ('' disables the cache)
 
@@ -215,7 +215,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    seeds: tuple[int, ...] = _tuple(0)  # one program, vmapped over seeds
+    # One program, vmapped over seeds (each a 32-bit PRNG seed).
+    seeds: tuple[int, ...] = fld(default_factory=lambda: (0,), ge=0, lt=2**32)
     n_folds: int = fld(3, ge=1)  # walk-forward folds
     train_frac: float = fld(0.6, gt=0, lt=1)  # share of each fold's span used for training
     purge_bars: int = fld(20, ge=0)  # gap between train and validation windows
@@ -267,7 +268,7 @@ class EvalConfig:
     stride: int = fld(1, ge=1)  # evaluation subsampling stride (annualisation corrected)
     momentum_lookback: int = fld(20, ge=1)
     n_windows: int = fld(1, ge=1)  # backtest windows run in parallel (flat at each boundary)
-    random_seed: int = fld(12345, ge=0)
+    random_seed: int = fld(12345, ge=0, lt=2**32)
     baselines: tuple[str, ...] = _tuple("flat", "buy_and_hold", "momentum", "random")
 
 
@@ -355,7 +356,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} = {value!r} has the wrong type; expected a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float range
+            raise ConfigError(f"{key} = {value!r} is too large for a number") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} = {value!r} has the wrong type; expected a string")
@@ -371,7 +375,9 @@ def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
     hi = f"{le}]" if le is not None else (f"{lt})" if lt is not None else "inf)")
     bad = ((ge is not None and value < ge) or (le is not None and value > le)
            or (gt is not None and value <= gt) or (lt is not None and value >= lt))
-    if bad or math.isnan(value):  # NaN is always out of range
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, ±inf: never usable
+        raise ConfigError(f"{key} = {value!r} is not a finite number; allowed: {lo}, {hi}")
+    if bad:
         raise ConfigError(f"{key} = {value!r} is out of range; allowed: {lo}, {hi}")
 
 
@@ -414,11 +420,23 @@ def _validate(obj: Any, prefix: str) -> None:
                                        or any(e < 1 for e in obj.limit_expiry)):
         raise ConfigError(f"{p}limit_expiry = {list(obj.limit_expiry)}: need 3 positive bar "
                           "counts, one per urgency level")
+    if isinstance(obj, DataConfig) and obj.source == "synthetic":
+        given = ([f"{p}path = {obj.path!r}"] if obj.path else []) + (
+            [f"{p}columns"] if obj.columns != ColumnMap() else [])
+        if given:
+            raise ConfigError(f"{' and '.join(given)} set, but {p}source = 'synthetic' reads no "
+                              f"file; set {p}source to 'ticks', 'ohlcv' or 'dbn' to read it, or "
+                              f"remove {p}path and {p}columns")
     if isinstance(obj, FeaturesConfig):
         for name in ("return_lags", "vol_windows", "mtf_factors"):
             vals = getattr(obj, name)
             if any(v < 1 for v in vals):
                 raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
+        n = n_base_features(obj)
+        if n + 4 > obj.state_width:  # 4 = len(jdqn.data.layout.PORTFOLIO_SLOTS)
+            raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + 4 "
+                              f"portfolio slots need {n + 4}; raise state_width or use fewer "
+                              "features")
     if isinstance(obj, TrainConfig):
         if not obj.seeds:
             raise ConfigError(f"{p}seeds is empty; give at least one seed")
@@ -437,12 +455,29 @@ def _validate(obj: Any, prefix: str) -> None:
         raise ConfigError(f"{p}n_devices = {obj.n_devices}, {p}distributed = "
                           f"{str(obj.distributed).lower()}: data-parallel training is not "
                           "available in this version; use n_devices = 1, distributed = false")
+    if isinstance(obj, Config):
+        t = obj.train
+        most = t.epochs_per_fold * t.iters_per_epoch * t.collect_steps * obj.env.n_envs
+        if t.min_replay > most:  # updates wait for min_replay transitions in the replay
+            raise ConfigError(
+                f"train.min_replay = {t.min_replay} can never be reached in fold 0: it collects "
+                f"at most train.epochs_per_fold × iters_per_epoch × collect_steps × env.n_envs "
+                f"= {t.epochs_per_fold} × {t.iters_per_epoch} × {t.collect_steps} × "
+                f"{obj.env.n_envs} = {most} transitions, so it would run no gradient update; "
+                "lower min_replay or collect more")
     if isinstance(obj, EvalConfig):
         allowed = {"flat", "buy_and_hold", "momentum", "random"}
         for b in obj.baselines:
             if b not in allowed:
                 raise ConfigError(f"{p}baselines: unknown baseline {b!r}; allowed: "
                                   + ", ".join(sorted(allowed)))
+
+
+def n_base_features(cfg: FeaturesConfig) -> int:
+    """Feature columns ``jdqn.data.features.build_features`` makes from any input; order-book
+    inputs (DBN MBP-10) add up to ``ofi_levels`` + 2 more."""
+    return (len(cfg.return_lags) + len(cfg.vol_windows) + 2 * len(cfg.mtf_factors)
+            + 11 + 2 * cfg.time_of_day)  # range, volume_z, 3 ADX, 3 CUSUM, duration, 2 flow
 
 
 def config_from_dict(table: dict[str, Any]) -> Config:
@@ -457,8 +492,19 @@ def _parse_value(text: str) -> Any:
         return text  # a bare string, e.g. --set data.source=ticks
 
 
+def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """Merge ``src`` into ``dst`` in place; a table merges into a table, key by key."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
 def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` overrides to a nested dict (returns a new dict)."""
+    """Apply ``a.b=value`` overrides to a nested dict (returns a new dict). A table value
+    (``--set 'data.synthetic={n_bars=5000}'``) merges into the table there: keys it does not
+    name keep their values."""
     import copy
 
     out = copy.deepcopy(table)
@@ -474,7 +520,7 @@ def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, An
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: '{p}' is not a section")
-        node[parts[-1]] = _parse_value(text.strip())
+        _merge(node, {parts[-1]: _parse_value(text.strip())})
     return out
 
 
@@ -501,11 +547,16 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def resolve_paths(cfg: Config, base: Path) -> Config:
-    """Make a relative data path relative to the config file's folder when it exists there."""
+    """Make a relative data path relative to the config file's folder when it exists there (and
+    only there: a different file of that name in the current folder too is refused)."""
     p = cfg.data.path
     if p and not p.startswith("builtin:") and not Path(p).is_absolute():
-        cand = (base / p)
-        if cand.exists() and not Path(p).exists():
+        here, cand = Path(p).expanduser(), base / p
+        if here.exists() and cand.exists() and here.resolve() != cand.resolve():
+            raise ConfigError(f"data.path = {p!r} is ambiguous: both {here.resolve()} (current "
+                              f"folder) and {cand.resolve()} (the config's folder) exist; give "
+                              "an absolute path")
+        if cand.exists() and not here.exists():
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(cand)))
     return cfg
 

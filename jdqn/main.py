@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import os
 import sys
 import tomllib
+import typing
 from pathlib import Path
 
 from jdqn.config import Config, ConfigError, config_from_dict, dumps_toml, load_config
@@ -25,8 +27,15 @@ from jdqn.errors import JdqnError
 EXIT_USER_ERROR = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, missing --config) are our one-line user error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m jdqn.main",
         description="Train and evaluate a branching distributional DQN on futures bars.",
     )
@@ -48,12 +57,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> Path:
-    """Pick the run folder and refuse to overwrite an existing run without ``--resume``."""
+    """Pick the run folder and refuse to overwrite an existing run without ``--resume``.
+
+    The default folder, ``runs/<config name>/<timestamp>[-N]``, is created here, and only if it
+    did not exist: two runs started in the same second get a folder each."""
     if output_dir is None:
         if resume:
             raise ConfigError("--resume needs --output-dir naming the run to continue")
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        return Path("runs") / Path(cfg_path).stem / stamp
+        for n in itertools.count(1):
+            out = Path("runs") / Path(cfg_path).stem / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                out.mkdir(parents=True)
+                return out
+            except FileExistsError:
+                continue
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} is a file, not a folder")
@@ -98,14 +116,18 @@ def write_resolved_config(cfg: Config, out: Path, resume: bool) -> None:
     text = dumps_toml(cfg)
     path = out / "config.toml"
     if resume:
-        saved = path.read_text()
+        try:
+            saved = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--resume: {path} is not a UTF-8 text file (byte {e.start}); it "
+                              "is not a config this program wrote") from None
         if saved != text:
             raise ConfigError(f"--resume: the config differs from the one saved in {path} "
                               f"({_config_diff(saved, text)}); resume with the same config and "
                               "--set overrides")
         return
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
 
 
 def features_summary(cfg: Config) -> str:
@@ -191,14 +213,16 @@ def enable_compilation_cache(subdir: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
+        if args.autotune_file == "":
+            raise ConfigError("--autotune-file needs a file path")
         cfg = load_config(args.config, args.overrides)
         if args.features_only:
             print(features_summary(cfg))
             return 0
         out = resolve_output_dir(args.config, args.output_dir, args.resume)
-        if args.autotune_file:
+        if args.autotune_file is not None:
             return _run_with_autotune_file(cfg, out, args)
         write_resolved_config(cfg, out, args.resume)
         enable_compilation_cache()

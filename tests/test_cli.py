@@ -154,11 +154,80 @@ def test_episode_longer_than_the_train_window_is_refused(tmp_path):
 
 
 def test_default_output_dir_is_a_new_timestamped_folder(tmp_path, monkeypatch):
-    from jdqn.main import resolve_output_dir
+    """Created here, each run its own: a run started in the same second as another, or a
+    folder already there, gets the next free name (-2, -3, …) and never shares one."""
+    import datetime
+    import types
 
+    import jdqn.main as cli_main
+
+    now = datetime.datetime(2024, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(cli_main, "_dt", types.SimpleNamespace(
+        datetime=types.SimpleNamespace(now=lambda: now)))
     monkeypatch.chdir(tmp_path)
-    out = resolve_output_dir("configs/quickstart.toml", None, resume=False)
-    assert out.parent == Path("runs") / "quickstart" and not out.exists()
+    old = Path("runs") / "quickstart" / "20240102-030405"
+    old.mkdir(parents=True)
+    (old / "config.toml").write_text("keep me")
+    outs = [cli_main.resolve_output_dir("configs/quickstart.toml", None, resume=False)
+            for _ in range(2)]
+    assert outs == [old.with_name("20240102-030405-2"), old.with_name("20240102-030405-3")]
+    assert all(o.is_dir() and not any(o.iterdir()) for o in outs)
+    assert (old / "config.toml").read_text() == "keep me"
+
+
+def test_resume_with_a_config_that_is_not_utf8_names_the_file(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_bytes("[data]\nsource = 'synth\u00e9tique'\n".encode("latin-1"))
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir", str(out), "--resume")
+    assert_user_error(res, f"{out / 'config.toml'} is not a UTF-8 text file")
+
+
+def test_empty_autotune_file_is_refused(tmp_path):
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir", str(tmp_path / "o"),
+                  "--autotune-file", "")
+    assert_user_error(res, "--autotune-file needs a file path")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--config", "configs/quickstart.toml", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required: --config"),
+    (["--config", "configs/quickstart.toml", "--set"], "argument --set: expected one argument"),
+])
+def test_bad_command_line_is_one_line(args, fragment, capsys):
+    from jdqn.main import main
+
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"jdqn: error: {fragment} (see --help)"]
+
+
+def test_state_width_too_small_is_refused_before_the_run_folder_is_written(tmp_path):
+    res = run_cli("--config", "configs/quickstart.toml", "--set", "features.state_width=8",
+                  "--output-dir", str(tmp_path / "o"))
+    assert_user_error(res, "features.state_width = 8 is too small", "need 28")
+    assert not (tmp_path / "o").exists()
+
+
+def test_state_width_overflowed_by_the_data_is_a_user_error(tmp_path, monkeypatch, capsys):
+    """Order-book levels add features the config alone cannot count: the layout's check then
+    fails inside the job, and is reported as the config error it is."""
+    import jdqn.main as cli_main
+    import jdqn.train.job as job_lib
+    from jdqn.data import StateLayout
+
+    def fake_run_job(cfg, out, resume=False):
+        StateLayout(n_features=70, width=64)
+
+    monkeypatch.setattr(job_lib, "run_job", fake_run_job)
+    monkeypatch.setenv("JDQN_XLA_CACHE", "0")
+    assert cli_main.main(["--config", "configs/quickstart.toml",
+                          "--output-dir", str(tmp_path / "o")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [("jdqn: error: features.state_width = 64 is too small: 70 features + 4 "
+                    "portfolio slots need 74; raise state_width or use fewer features")]
 
 
 def test_autotune_file_records_first_then_loads(tmp_path):

@@ -107,3 +107,99 @@ def test_invalid_toml_names_file(tmp_path):
 def test_unavailable_data_parallel_is_refused_not_ignored():
     with pytest.raises(ConfigError, match="parallel.n_devices = 4.*not available"):
         config_from_dict({"parallel": {"n_devices": 4}})
+
+
+def test_data_file_with_synthetic_source_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"data.path = 'x.csv' set, but data.source = "
+                                          r"'synthetic' reads no file"):
+        config_from_dict({"data": {"path": "x.csv"}})
+    with pytest.raises(ConfigError, match=r"data.columns set, but data.source = 'synthetic'"):
+        config_from_dict({"data": {"source": "synthetic", "columns": {"price": "px"}}})
+    for source in ("ticks", "ohlcv", "dbn"):
+        config_from_dict({"data": {"source": source, "path": "x.csv",
+                                   "columns": {"price": "px"}}})
+
+
+def test_min_replay_that_fold_0_cannot_reach_is_refused():
+    small = {"epochs_per_fold": 2, "iters_per_epoch": 5, "collect_steps": 4}
+    with pytest.raises(ConfigError, match=r"train.min_replay = 321 can never be reached in "
+                                          r"fold 0.* = 2 × 5 × 4 × 8 = 320 transitions"):
+        config_from_dict({"train": {**small, "min_replay": 321}, "env": {"n_envs": 8}})
+    config_from_dict({"train": {**small, "min_replay": 320}, "env": {"n_envs": 8}})
+
+
+def test_test_helper_config_is_valid():
+    from helpers import tiny_config
+
+    tiny_config()
+
+
+@pytest.mark.parametrize("key", ["env.initial_equity", "eval.periods_per_year", "model.v_max",
+                                 "data.synthetic.base_vol", "data.price_scale", "train.lr"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_numbers_are_refused(key, value):
+    with pytest.raises(ConfigError, match=rf"{key} = .* is not a finite number"):
+        config_from_dict(apply_overrides({}, [f"{key}={value}"]))
+
+
+def test_number_beyond_float_range_is_refused():
+    with pytest.raises(ConfigError, match=r"train.lr = 1000+ is too large"):
+        config_from_dict({"train": {"lr": 10**400}})
+
+
+def test_sizes_and_seeds_have_upper_bounds():
+    with pytest.raises(ConfigError, match=r"data.synthetic.n_bars = 99999999999999999999 is out "
+                                          r"of range; allowed: \[200, 1000000000\]"):
+        config_from_dict(apply_overrides({}, ["data.synthetic.n_bars=99999999999999999999"]))
+    with pytest.raises(ConfigError, match=r"train.seeds\[1\] = 18446744073709551616 is out of "
+                                          r"range; allowed: \[0, 4294967296\)"):
+        config_from_dict({"train": {"seeds": [0, 2**64]}})
+    with pytest.raises(ConfigError, match=r"eval.random_seed = 4294967296 is out of range"):
+        config_from_dict({"eval": {"random_seed": 2**32}})
+    config_from_dict({"train": {"seeds": [0, 2**32 - 1]}, "eval": {"random_seed": 2**32 - 1}})
+
+
+def test_state_width_too_small_for_the_features_is_refused():
+    with pytest.raises(ConfigError, match=r"features.state_width = 27 is too small: 24 features "
+                                          r"\+ 4 portfolio slots need 28"):
+        config_from_dict({"features": {"state_width": 27}})
+    config_from_dict({"features": {"state_width": 28}})
+    config_from_dict({"features": {"state_width": 16, "return_lags": [], "vol_windows": [1],
+                                   "mtf_factors": [], "time_of_day": False}})
+
+
+def test_feature_count_matches_the_features_built():
+    from jdqn.config import FeaturesConfig, SyntheticConfig, n_base_features
+    from jdqn.data import PORTFOLIO_SLOTS, build_features, generate_synthetic
+
+    assert len(PORTFOLIO_SLOTS) == 4  # the count _validate assumes
+    bars = generate_synthetic(SyntheticConfig(n_bars=400))
+    for cfg in (FeaturesConfig(), FeaturesConfig(return_lags=(1,), vol_windows=(3, 5, 7),
+                                                 mtf_factors=(), time_of_day=False)):
+        assert n_base_features(cfg) == build_features(bars, cfg).n_features
+
+
+def test_set_table_merges_into_the_table():
+    table = {"data": {"synthetic": {"seed": 7, "n_bars": 300}, "cache_dir": ""}}
+    t = apply_overrides(table, ["data.synthetic={n_bars=5000}", "data={bar_size='5min'}"])
+    assert t == {"data": {"synthetic": {"seed": 7, "n_bars": 5000}, "cache_dir": "",
+                          "bar_size": "5min"}}
+    assert table["data"]["synthetic"]["n_bars"] == 300  # the input is not modified
+    cfg = config_from_dict(t)
+    assert cfg.data.synthetic.seed == 7 and cfg.data.synthetic.n_bars == 5000
+
+
+def test_relative_data_path_in_two_places_is_refused(tmp_path, monkeypatch):
+    from jdqn.config import load_config
+
+    cfgdir, cwd = tmp_path / "cfgdir", tmp_path / "cwd"
+    for d in (cfgdir, cwd):
+        d.mkdir()
+        (d / "rel.csv").write_text(f"ts,price,size\n{d.name}\n")
+    cfg = cfgdir / "c.toml"
+    cfg.write_text('[data]\nsource = "ticks"\npath = "rel.csv"\n')
+    monkeypatch.chdir(cwd)
+    with pytest.raises(ConfigError, match="ambiguous: both"):
+        load_config(str(cfg))
+    (cwd / "rel.csv").unlink()  # only the config's folder has it: taken from there
+    assert load_config(str(cfg)).data.path == str(cfgdir / "rel.csv")

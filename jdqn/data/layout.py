@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from jdqn.config import ConfigError
+
 PORTFOLIO_SLOTS = ("position", "unrealised_pnl", "time_in_position", "last_direction")
 
 
@@ -36,7 +38,7 @@ class StateLayout:
     def __post_init__(self) -> None:
         need = self.n_features + len(PORTFOLIO_SLOTS)
         if self.n_features < 0 or need > self.width:
-            raise ValueError(
+            raise ConfigError(
                 f"features.state_width = {self.width} is too small: {self.n_features} features "
                 f"+ {len(PORTFOLIO_SLOTS)} portfolio slots need {need}; raise state_width or "
                 "use fewer features")
