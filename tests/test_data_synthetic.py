@@ -69,3 +69,21 @@ def test_persistent_flow_predicts_several_bars_ahead() -> None:
 
     assert corr10(SyntheticConfig()) > 0.15  # the edge accumulates while a position is held
     assert abs(corr10(SyntheticConfig(flow_persistence=0.0))) < 0.05
+
+
+def test_limit_fills_at_the_touch_carry_no_free_edge() -> None:
+    """High and low come from a path: a limit at the touch fills when the next bar trades
+    through it, and that fill is adversely selected, so on a market without signal it earns
+    nothing on average. An earlier generator extended every bar at least a tick beyond its open:
+    every touch order filled, earning +0.52 ticks a fill (20 standard errors) on any market,
+    which the agent learned to harvest (a shuffled-returns control then showed t = +2.85)."""
+    cfg = SyntheticConfig(n_bars=200_000, shuffle_returns=True)
+    b = generate_synthetic(cfg)
+    tick = cfg.tick_size
+    for side in (1.0, -1.0):  # buy below the close, sell above it
+        price = b.close[:-1] - side * 0.5 * tick
+        filled = (b.low[1:] < price) if side > 0 else (b.high[1:] > price)
+        gain = side * (b.close[1:] - price)[filled] / tick
+        se = gain.std() / np.sqrt(gain.size)
+        assert filled.mean() < 0.99
+        assert abs(gain.mean()) < max(4 * se, 0.1), (side, gain.mean(), se)

@@ -67,4 +67,8 @@ def test_no_signal_market_claims_no_edge(tmp_path):
     out = tmp_path / "shuffled"
     _quickstart(out, "data.synthetic.shuffle_returns=true")
     returns = pd.read_csv(out / "returns.csv")["strategy_return"].to_numpy()
-    assert abs(_t_stat(returns)) < 2.0
+    # One-sided: what the control guards against is a claimed edge (lookahead, or an artifact
+    # of the simulated fills, such as the certain limit fills of an earlier synthetic market,
+    # which made this t-statistic +2.85). Without an edge the agent pays costs, so a negative t
+    # is expected and is no claim.
+    assert _t_stat(returns) < 2.0

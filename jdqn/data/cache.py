@@ -35,7 +35,8 @@ from jdqn.data.features import FeatureSet, build_features
 from jdqn.data.load import load_bars, resolve_path
 from jdqn.errors import CacheError, DataError
 
-SCHEMA_VERSION = 2  # bump when bars/features change meaning or layout (2: event-bar bar_seconds)
+SCHEMA_VERSION = 3  # bump when bars/features change meaning or layout (2: event-bar bar_seconds;
+#                    3: synthetic high/low from a Brownian bridge)
 _MIB = 1 << 20
 
 

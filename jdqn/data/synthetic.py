@@ -21,8 +21,9 @@ Per bar t (log return r[t], all draws from one ``numpy.random.Generator(seed)``,
 * ``shuffle_returns`` — the control: permute the bars' returns (with their volume and range) so
   all temporal structure, the flow signal included, is gone.
 
-Prices are on the ``tick_size`` grid; open[t] = close[t−1]; high/low extend the open–close range
-by a half-normal multiple of the bar's volatility. Bars are regular (``bar_seconds``) from
+Prices are on the ``tick_size`` grid; open[t] = close[t−1]; high/low are the extremes of a
+Brownian bridge from open to close with the bar's volatility (rounded to the grid), so a limit
+order's fill is adversely selected as in a real market. Bars are regular (``bar_seconds``) from
 2024-01-01T00:00Z, 24/7.
 """
 
@@ -100,22 +101,32 @@ def generate(cfg: SyntheticConfig) -> Bars:
 
     vol_noise = rng.standard_normal(n)
     imb_noise = rng.standard_normal(n)
-    ext_hi = np.abs(rng.standard_normal(n))
-    ext_lo = np.abs(rng.standard_normal(n))
+    u_hi = 1.0 - rng.random(n)  # in (0, 1]
+    u_lo = 1.0 - rng.random(n)
     volume = np.maximum(np.round(BASE_VOLUME * (sigma / cfg.base_vol)
                                  * np.exp(0.3 * vol_noise)), 1.0)
     if cfg.shuffle_returns:
         perm = rng.permutation(n)
-        r, sigma, volume, ext_hi, ext_lo = r[perm], sigma[perm], volume[perm], ext_hi[perm], \
-            ext_lo[perm]
+        r, sigma, volume, u_hi, u_lo = r[perm], sigma[perm], volume[perm], u_hi[perm], \
+            u_lo[perm]
 
     tick = cfg.tick_size
     logp = math.log(cfg.start_price) + np.cumsum(r)
     close = np.maximum(np.round(np.exp(logp) / tick), 1.0) * tick
     open_ = np.concatenate([[max(round(cfg.start_price / tick), 1.0) * tick], close[:-1]])
-    spread = 0.5 * sigma * close
-    high = np.maximum(open_, close) + np.ceil(ext_hi * spread / tick) * tick
-    low = np.maximum(np.minimum(open_, close) - np.ceil(ext_lo * spread / tick) * tick, tick)
+    # High and low of a Brownian path from open to close (a bridge with the bar's volatility):
+    # its maximum above the open is (x + √(x² − 2v·ln u))/2 and its minimum (x − √(…))/2, with
+    # x = close − open and v its variance. A bar that dipped is then more likely to have closed
+    # lower: a limit order's fill carries the adverse selection of a real one. (Extending every
+    # bar by at least a tick beyond its open, as an earlier version did, filled every limit at
+    # the touch with certainty and handed the agent half a tick per fill, on any market.)
+    x = close - open_
+    var = np.square(sigma * open_)
+    up = 0.5 * (x + np.sqrt(x * x - 2.0 * var * np.log(u_hi)))
+    down = 0.5 * (x - np.sqrt(x * x - 2.0 * var * np.log(u_lo)))
+    high = np.maximum(np.maximum(open_, close), np.round((open_ + up) / tick) * tick)
+    low = np.maximum(np.minimum(np.minimum(open_, close), np.round((open_ + down) / tick) * tick),
+                     tick)
 
     imb = np.tanh(0.8 * flow + 0.3 * imb_noise)
     buy = np.clip(np.round(volume * (1.0 + imb) * 0.5), 0.0, volume)
