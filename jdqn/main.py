@@ -13,12 +13,14 @@ run unless ``--resume`` is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import itertools
 import os
 import sys
 import tomllib
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 from jdqn.config import Config, ConfigError, config_from_dict, dumps_toml, load_config
@@ -222,14 +224,25 @@ def main(argv: list[str] | None = None) -> int:
             print(features_summary(cfg))
             return 0
         out = resolve_output_dir(args.config, args.output_dir, args.resume)
-        if args.autotune_file is not None:
-            return _run_with_autotune_file(cfg, out, args)
-        write_resolved_config(cfg, out, args.resume)
-        enable_compilation_cache()
-        from jdqn.train.job import run_job
+        with _autotune(args.autotune_file) as autotune:
+            write_resolved_config(cfg, out, args.resume)
+            if autotune is None:
+                enable_compilation_cache()
+            elif autotune == "dump":  # every program must compile (and autotune) to be recorded
+                import jax
 
-        run_job(cfg, out, resume=args.resume)
+                jax.config.update("jax_enable_compilation_cache", False)
+            else:
+                enable_compilation_cache(f"autotune-{_file_digest(Path(args.autotune_file))}")
+            from jdqn.train.job import run_job
+
+            run_job(cfg, out, resume=args.resume)
         print(f"run written to {out}")
+        if autotune == "dump":
+            f = Path(args.autotune_file)
+            print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
+                  "to later runs of this config" if f.is_file() and f.stat().st_size else
+                  f"nothing recorded in {f}: no GPU autotuning ran (CPU backend)")
         return 0
     except JdqnError as e:
         print(f"jdqn: error: {e}", file=sys.stderr)
@@ -243,45 +256,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run_with_autotune_file(cfg: Config, out: Path, args: argparse.Namespace) -> int:
-    """The job under ``--autotune-file`` (see :func:`autotune_xla_flags`); XLA_FLAGS is restored
-    afterwards."""
-    path = args.autotune_file
+@contextlib.contextmanager
+def _autotune(path: str | None) -> Iterator[str | None]:
+    """``--autotune-file``: set XLA_FLAGS for the job (see :func:`autotune_xla_flags`), yield
+    the mode (None without the option), turn XLA refusing the file into a one-line error, and
+    restore XLA_FLAGS afterwards."""
+    if path is None:
+        yield None
+        return
     if _jax_backend_started():
         raise ConfigError(f"--autotune-file {path}: JAX has already started in this process "
                           "and XLA reads its flags once; give it on the command line")
     before = os.environ.get("XLA_FLAGS")
-    mode, flags = autotune_xla_flags(path, before or "")
-    os.environ["XLA_FLAGS"] = flags
+    mode, os.environ["XLA_FLAGS"] = autotune_xla_flags(path, before or "")
     try:
-        write_resolved_config(cfg, out, args.resume)
-        import jax
-
-        if mode == "dump":  # every program must compile (and autotune) here to be recorded
-            jax.config.update("jax_enable_compilation_cache", False)
-        else:
-            enable_compilation_cache(f"autotune-{_file_digest(Path(path))}")
-        from jdqn.train.job import run_job
-
-        try:
-            run_job(cfg, out, resume=args.resume)
-        except JdqnError:
+        yield mode
+    except JdqnError:
+        raise
+    except Exception as e:  # XLA refusing the file (incomplete, foreign, corrupt)
+        if "autotun" not in str(e).lower():
             raise
-        except Exception as e:  # XLA refusing the file (incomplete, foreign, corrupt)
-            if "autotun" not in str(e).lower():
-                raise
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise ConfigError(
-                f"--autotune-file {path}: XLA could not compile with it ({first}). A file holds "
-                "the kernel choices of one config on one GPU model and XLA version, recorded by "
-                "a run that compiled every program; delete it to record a new one") from e
-        print(f"run written to {out}")
-        f = Path(path)
-        if mode == "dump":
-            print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
-                  "to later runs of this config" if f.is_file() and f.stat().st_size else
-                  f"nothing recorded in {f}: no GPU autotuning ran (CPU backend)")
-        return 0
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"--autotune-file {path}: XLA could not compile with it ({first}). A file holds the "
+            "kernel choices of one config on one GPU model and XLA version, recorded by a run "
+            "that compiled every program; delete it to record a new one") from e
     finally:
         if before is None:
             os.environ.pop("XLA_FLAGS", None)
