@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -31,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import jdqn.pallas
 from jdqn.config import apply_overrides, config_from_dict, load_config
 from jdqn.train import epoch as epoch_lib
 from jdqn.train import job as job_lib
+from jdqn.train import parallel
 from jdqn.train.state import seed_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +60,33 @@ def build(cfg):
     return p, env_params, state
 
 
+def on_devices(learner, fn, extra_out):
+    """``jax.jit(fn)`` for ``fn(single-seed state) -> state`` or ``-> (state, extra)``; with
+    ``parallel.n_devices > 1`` under ``shard_map`` on the devices, as the epoch runs (``extra``
+    comes back as device 0's)."""
+    if learner.axis is None:
+        return jax.jit(fn)
+    mesh = parallel.make_mesh(learner.n_devices)
+
+    def sharded(st):
+        specs = parallel.state_specs(st, seeded=False)
+        out = specs if extra_out is None else (specs, extra_out)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out,
+                             check_vma=False)(st)
+
+    return jax.jit(sharded)
+
+
 def filled_update_loop(cfg, n_updates: int):
     """``(updates, state)``: a jitted ``lax.scan`` of ``n_updates`` train steps and a single-seed
-    state whose replay holds real collected transitions (enough for any batch)."""
+    state whose replay holds real collected transitions (enough for any batch). With
+    ``parallel.n_devices > 1`` both run under ``shard_map`` on the devices, as the epoch does
+    (each device updates on its B/D share; the reported loss is device 0's)."""
     p, env_params, state = build(cfg)
     learner = p.learner
     fold = jnp.asarray(0, jnp.int32)
 
-    @jax.jit
+    @functools.partial(on_devices, learner, extra_out=None)
     def fill(st):
         def body(s, _):
             s, chunk, _ = epoch_lib.collect(learner, s, env_params)
@@ -73,7 +95,7 @@ def filled_update_loop(cfg, n_updates: int):
 
         return jax.lax.scan(body, st, None, length=4)[0]
 
-    @jax.jit
+    @functools.partial(on_devices, learner, extra_out=P())
     def updates(st):
         def body(s, _):
             s, m = epoch_lib.train_step(learner, s, env_params, fold)
@@ -99,7 +121,7 @@ def bench_collect(cfg, repeats: int) -> dict:
     learner = p.learner
     one = jax.tree.map(lambda x: x[0], state)
 
-    @jax.jit
+    @functools.partial(on_devices, learner, extra_out=P())
     def collect(st):
         def body(s, _):
             s, _, stats = epoch_lib.collect(learner, s, env_params)
@@ -184,6 +206,7 @@ def main() -> None:
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
                                                        "expert_hidden", "n_atoms", "iqn")},
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+        "n_devices": base.parallel.n_devices, "device_count": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -282,7 +282,10 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    n_devices: int = fld(1, ge=0)  # devices to train on (only 1 in this version)
+    # Data-parallel training over the devices of one host (docs/training.md, "Data parallel"):
+    # 1 = one device; D > 1 = the first D devices; 0 = every device JAX sees. env.n_envs,
+    # train.batch_size and train.replay_capacity are global and must divide by the count.
+    n_devices: int = fld(1, ge=0, le=4096)
     distributed: bool = False  # multi-host jax.distributed (not in this version)
 
 
@@ -450,13 +453,16 @@ def _validate(obj: Any, prefix: str) -> None:
                               "a single gradient update")
         if obj.train_frac + obj.test_frac >= 1:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
-    if isinstance(obj, ParallelConfig) and (obj.n_devices != 1 or obj.distributed):
-        # Refused rather than ignored: a config asking for 8 GPUs must not silently train on 1.
-        raise ConfigError(f"{p}n_devices = {obj.n_devices}, {p}distributed = "
-                          f"{str(obj.distributed).lower()}: data-parallel training is not "
-                          "available in this version; use n_devices = 1, distributed = false")
+    if isinstance(obj, ParallelConfig) and obj.distributed:
+        # Refused rather than ignored: a config asking for several hosts must not silently
+        # train on one.
+        raise ConfigError(f"{p}distributed = true: multi-host training is not available in "
+                          f"this version; use distributed = false ({p}n_devices spreads the "
+                          "job over the devices of one host)")
     if isinstance(obj, Config):
         t = obj.train
+        if obj.parallel.n_devices > 1:
+            check_divides(obj, obj.parallel.n_devices, "parallel.n_devices")
         most = t.epochs_per_fold * t.iters_per_epoch * t.collect_steps * obj.env.n_envs
         if t.min_replay > most:  # updates wait for min_replay transitions in the replay
             raise ConfigError(
@@ -471,6 +477,18 @@ def _validate(obj: Any, prefix: str) -> None:
             if b not in allowed:
                 raise ConfigError(f"{p}baselines: unknown baseline {b!r}; allowed: "
                                   + ", ".join(sorted(allowed)))
+
+
+def check_divides(cfg: Config, n_devices: int, what: str) -> None:
+    """Data parallel splits the envs, the batch and the replay evenly over the devices: refuse
+    sizes that do not divide (``what`` names where the device count came from)."""
+    sizes = {"env.n_envs": cfg.env.n_envs, "train.batch_size": cfg.train.batch_size,
+             "train.replay_capacity": cfg.train.replay_capacity}
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v % n_devices]
+    if bad:
+        raise ConfigError(f"{what} = {n_devices}: {', '.join(bad)} not divisible by "
+                          f"{n_devices}; data parallel gives every device an equal share of "
+                          "the envs, the batch and the replay")
 
 
 def n_base_features(cfg: FeaturesConfig) -> int:

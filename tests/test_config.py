@@ -104,11 +104,6 @@ def test_invalid_toml_names_file(tmp_path):
         load_config(p)
 
 
-def test_unavailable_data_parallel_is_refused_not_ignored():
-    with pytest.raises(ConfigError, match="parallel.n_devices = 4.*not available"):
-        config_from_dict({"parallel": {"n_devices": 4}})
-
-
 def test_data_file_with_synthetic_source_is_refused_not_ignored():
     with pytest.raises(ConfigError, match=r"data.path = 'x.csv' set, but data.source = "
                                           r"'synthetic' reads no file"):

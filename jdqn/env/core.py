@@ -278,15 +278,16 @@ def hash_u32(seed: jax.Array, idx: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def reset(params: EnvParams, key: jax.Array) -> EnvState:
-    """``cfg.n_envs`` flat episodes of ``cfg.episode_length`` steps at random starts in the window.
+def reset(params: EnvParams, key: jax.Array, n: int | None = None) -> EnvState:
+    """``n`` (default ``cfg.n_envs``) flat episodes of ``cfg.episode_length`` steps at random
+    starts in the window.
 
     An episode starting at ``s`` decides at bars ``s … s+L−1`` and fills up to bar ``s+L``,
     so ``s ≤ hi − L − 1``: it never reads a bar outside ``[lo, hi)``. The window must hold at
     least ``L + 1`` bars (checked on the host by :func:`with_window` with ``min_len``).
     Starts are uniform over the ``hi − lo − L`` admissible bars (modulo bias < span / 2³²).
     """
-    n, length = params.cfg.n_envs, params.cfg.episode_length
+    n, length = params.cfg.n_envs if n is None else n, params.cfg.episode_length
     span = jnp.maximum(params.hi - params.lo - length, 1).astype(jnp.uint32)
     seed = jax.random.bits(key, (), jnp.uint32)
     start = params.lo + (hash_u32(seed, jnp.arange(n)) % span).astype(jnp.int32)
@@ -299,7 +300,7 @@ def auto_reset(params: EnvParams, state: EnvState, done: jax.Array, key: jax.Arr
     The Kelly statistics restart with each episode, as in the backtest: a new episode starts at
     a random bar, often *before* bars where the previous one traded, so carrying its closed
     trades over would size decisions at bar t with outcomes from bars after t (lookahead)."""
-    fresh = reset(params, key)
+    fresh = reset(params, key, done.shape[0])
     return jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, state)
 
 

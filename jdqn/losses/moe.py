@@ -52,9 +52,13 @@ def entropy_target(n_experts: int, target: float = 0.0) -> float:
     return float(target) if target > 0 else 0.9 * math.log(n_experts)
 
 
-def update_moe_state(state: MoEState, gate: Array, decay: float) -> MoEState:
-    """One EMA step from a batch of gate probabilities ``gate [B, K]`` (no gradient)."""
-    util = jax.lax.stop_gradient(gate_utilisation(gate)).astype(state.util_ema.dtype)
+def update_moe_state(state: MoEState, gate: Array, decay: float,
+                     util: Array | None = None) -> MoEState:
+    """One EMA step from a batch of gate probabilities ``gate [B, K]`` (no gradient), or from
+    a given utilisation ``util [K]`` (data parallel: the global batch's)."""
+    if util is None:
+        util = gate_utilisation(gate)
+    util = jax.lax.stop_gradient(util).astype(state.util_ema.dtype)
     h = entropy(util)
     return MoEState(entropy_ema=decay * state.entropy_ema + (1.0 - decay) * h,
                     util_ema=decay * state.util_ema + (1.0 - decay) * util)
@@ -70,8 +74,19 @@ def lambda_eff(entropy_ema: Array, lambda_floor: float, lambda_extra: float,
     return lambda_floor + lambda_extra * deficit
 
 
-def load_balance_loss(gate: Array, lam: Array) -> Array:
-    """``λ·K·Σ_k (mean_b g[b,k])²``: gate [B, K], lam [] → []. Equals λ for a uniform gate."""
+def load_balance_loss(gate: Array, lam: Array, util_all: Array | None = None) -> Array:
+    """``λ·K·Σ_k (mean_b g[b,k])²``: gate [B, K], lam [] → []. Equals λ for a uniform gate.
+
+    ``util_all [K]`` (data parallel): the utilisation of the global batch, of which ``gate`` is
+    one device's share. The term is then ``λ·K·Σ_k [ū_k² + 2ū_k·(u_k − sg(u_k))]`` with ``u``
+    this share's utilisation and ``ū = sg(util_all)``: its value is the global term and its
+    gradient is ``λ·K·Σ_k 2ū_k·∂u_k``, whose mean over equal shares is the global term's
+    gradient ``λ·K·Σ_k 2ū_k·∂ū_k``."""
     chex.assert_rank([gate, lam], [2, 0])
     k = gate.shape[-1]
-    return jax.lax.stop_gradient(lam) * k * jnp.sum(jnp.square(gate_utilisation(gate)))
+    u = gate_utilisation(gate)
+    lam = jax.lax.stop_gradient(lam)
+    if util_all is None:
+        return lam * k * jnp.sum(jnp.square(u))
+    ubar = jax.lax.stop_gradient(util_all).astype(u.dtype)
+    return lam * k * jnp.sum(jnp.square(ubar) + 2.0 * ubar * (u - jax.lax.stop_gradient(u)))

@@ -63,8 +63,8 @@ def _rows(out: NetOutput, sl: slice) -> NetOutput:
 
 
 def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_state: MoEState,
-               alpha: Array, *, net: BranchingQNetwork,
-               train_cfg: TrainConfig) -> tuple[Array, tuple[dict, Array, MoEState, dict]]:
+               alpha: Array, *, net: BranchingQNetwork, train_cfg: TrainConfig,
+               axis_name: str | None = None) -> tuple[Array, tuple[dict, Array, MoEState, dict]]:
     """Total loss and everything the learner needs from one batch.
 
     ``target_params`` is the one target tree (trunk, C51 heads **and** the IQN head). ``key``
@@ -78,6 +78,14 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
       ``total``; IS-weighted batch means) and ``diagnostics`` per-branch Q statistics
       (``q_mean``/``q_std`` [D]), ``q_gap``, ``target_mean`` [D], ``td_per_branch`` [D],
       ``gate_util`` [K], ``gate_entropy``, ``util_entropy``, ``lambda_eff``.
+
+    Data parallel (``axis_name``, inside ``shard_map``; ``batch`` is this device's share):
+    the batch-mean terms are this shard's means, and the caller averages the gradients over
+    devices (equal shares: the global mean). The load balance is a square of a batch mean, which
+    does not average that way: it uses the global utilisation ``ū`` (a ``pmean``, no gradient
+    through it) in ``λ·K·Σ_k [ū_k² + 2ū_k·(u_k − sg(u_k))]``, whose value is the global term and
+    whose gradient, averaged over devices, is the global term's gradient. The MoE state's EMA
+    reads ``ū``. Returned components and diagnostics are this shard's (the caller averages).
     """
     cfg = net.cfg
     chex.assert_rank([batch.obs, batch.action, batch.reward, batch.discount, batch.next_obs,
@@ -122,18 +130,23 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     components["iqn"] = iqn_loss
 
     # MoE load balance on the gate at s (s′ rows carry no gradient).
-    new_moe_state = update_moe_state(moe_state, online.gate, train_cfg.moe_entropy_decay)
+    util_all = None
+    if axis_name is not None:
+        util_all = jax.lax.pmean(jax.lax.stop_gradient(gate_utilisation(online.gate)), axis_name)
+    new_moe_state = update_moe_state(moe_state, online.gate, train_cfg.moe_entropy_decay,
+                                     util=util_all)
     h_target = entropy_target(cfg.n_experts, train_cfg.moe_entropy_target)
     lam = lambda_eff(new_moe_state.entropy_ema, train_cfg.moe_lambda_floor,
                      train_cfg.moe_lambda_extra, h_target)
-    balance = load_balance_loss(online.gate, lam.astype(online.gate.dtype))
+    balance = load_balance_loss(online.gate, lam.astype(online.gate.dtype), util_all)
     components["moe_balance"] = balance
 
     loss = td_loss + train_cfg.iqn_weight * iqn_loss + balance
     components["total"] = loss
     per_sample_loss = jax.lax.stop_gradient(jnp.sum(td["td"], axis=1))  # [B], for priorities
 
-    util = jax.lax.stop_gradient(gate_utilisation(online.gate))
+    util = (jax.lax.stop_gradient(gate_utilisation(online.gate)) if util_all is None
+            else util_all)
     diagnostics = {
         "q_mean": jnp.stack([jnp.mean(q) for q in online.q]),
         "q_std": jnp.stack([jnp.std(q) for q in online.q]),

@@ -194,7 +194,7 @@ def sampling_probabilities(state: ReplayState, alpha: float | jax.Array) -> jax.
 
 
 def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Array,
-           beta: float | jax.Array) -> Sample:
+           beta: float | jax.Array, axis_name: str | None = None) -> Sample:
     """Draw ``batch`` items with ``P(i) = p_i^α / Σ_j p_j^α`` over the filled slots (stratified).
 
     Returns the items (leaves ``[B, ...]``), their slot indices ``i32 [B]`` and importance weights
@@ -202,7 +202,8 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     Schaul et al. normalise by the max for stability; the batch max keeps one rarely-sampled slot
     elsewhere in the buffer from shrinking every weight). ``N`` = number of filled slots.
     Sampling an empty buffer is the caller's error (guard with ``size ≥ min_replay``); it returns
-    slot 0 with weight 1 rather than NaN.
+    slot 0 with weight 1 rather than NaN. Under data parallel (``axis_name``: each device samples
+    its own replay shard) the maximum is taken over the global batch.
     """
     q = _masses(state, alpha)
     local, block_cum = _cumsums(q)
@@ -214,7 +215,10 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     n = jnp.maximum(state.size, 1).astype(jnp.float32)
     # log-space avoids overflow of (N·P)^-β for tiny P.
     logw = -beta * jnp.log(jnp.maximum(n * prob, jnp.finfo(jnp.float32).tiny))
-    weights = jnp.exp(logw - jnp.max(logw))
+    top = jnp.max(logw)
+    if axis_name is not None:
+        top = jax.lax.pmax(top, axis_name)
+    weights = jnp.exp(logw - top)
     items = jax.tree.map(lambda buf: buf[idx], state.storage)
     return Sample(items, idx, weights.astype(jnp.float32))
 

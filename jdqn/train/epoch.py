@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jdqn.env import core as env_core
 from jdqn.env.normalise import normalise_reward
@@ -26,7 +27,7 @@ from jdqn.losses.total import Batch, total_loss, warmup_alpha
 from jdqn.networks.model import greedy_action, policy_aux
 from jdqn.replay import nstep as nstep_lib
 from jdqn.replay import per
-from jdqn.train import safety
+from jdqn.train import parallel, safety
 from jdqn.train.optim import global_norm
 from jdqn.train.state import CHECKED_TENSORS, Learner, StepRecord, TrainState, Transition
 
@@ -82,23 +83,25 @@ def greedy_policy(learner: Learner, params: Any, obs: jax.Array
 
 def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
             ) -> tuple[TrainState, StepRecord, dict[str, jax.Array]]:
-    """K exploratory steps on all N envs; returns the chunk ``[K, N]`` and summed statistics."""
+    """K exploratory steps on all N envs; returns the chunk ``[K, N]`` and summed statistics.
+    (Data parallel: this device's envs; the reward normaliser sees every device's rewards.)"""
     k_steps = learner.cfg.train.collect_steps
+    ax = learner.axis
 
     def one(carry, _):
         st = carry
         key, k_act, k_reset = jax.random.split(st.key, 3)
         obs = env_core.observe(env_params, st.env)
         out = learner.net.apply(st.params, obs)
-        action = explore(learner, out.q, k_act, st.collect_step)
+        action = explore(learner, out.q, parallel.device_key(k_act, ax), st.collect_step)
         gap, var = policy_aux(out, action[:, 0])
         env1, reward, done, info = env_core.step(env_params, st.env, action,
                                                  env_core.PolicyAux(q_gap=gap, q_var=var))
-        norm, reward_n = normalise_reward(st.norm, reward)
+        norm, reward_n = _normalise(st.norm, reward, ax)
         rec = StepRecord(t=st.env.t, port=env_core.portfolio(env_params, st.env), action=action,
                          reward=reward_n, done=done, next_t=env1.t,
                          next_port=env_core.portfolio(env_params, env1))
-        env2 = env_core.auto_reset(env_params, env1, done, k_reset)
+        env2 = env_core.auto_reset(env_params, env1, done, parallel.device_key(k_reset, ax))
         q_dir = out.q[0]
         # Atom utilisation of the direction branch: probability mass on the two edge atoms
         # (saturation against [v_min, v_max]) and the effective number of atoms exp(H).
@@ -129,6 +132,15 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
     summed = jax.tree.map(lambda x: jnp.sum(x, axis=0), stats)
     summed.update(finite)
     return state, chunk, summed
+
+
+def _normalise(norm, reward: jax.Array, axis: str | None):
+    """Reward normalisation; under data parallel its statistics are taken over the rewards of
+    every device's envs (so they stay replicated) and this device's block is returned."""
+    if axis is None:
+        return normalise_reward(norm, reward)
+    norm, rn = normalise_reward(norm, parallel.gather(reward, axis))
+    return norm, parallel.local_block(rn, reward.shape[0], axis)
 
 
 def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
@@ -182,9 +194,11 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
                fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
     """One prioritised gradient update: sample → loss → clip+AdamW → Polyak → priorities."""
     c = learner.cfg.train
+    ax = learner.axis  # data parallel: this device's B/D of the batch, from its replay shard
     key, k_sample, k_loss = jax.random.split(state.key, 3)
-    sample = per.sample(state.replay, k_sample, c.batch_size, c.per_alpha,
-                        per_beta(learner, state.update_step))
+    sample = per.sample(state.replay, parallel.device_key(k_sample, ax),
+                        c.batch_size // learner.n_devices, c.per_alpha,
+                        per_beta(learner, state.update_step), axis_name=ax)
     it = sample.items
     batch = Batch(obs=env_core.obs_from_index(env_params, it.t, it.port), action=it.action,
                   reward=it.reward, discount=it.discount,
@@ -193,12 +207,15 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     alpha = warmup_alpha(state.update_step, c.warmup_blend_steps)
     grad_fn = jax.value_and_grad(total_loss, has_aux=True)
     (loss, (comps, per_sample, moe, diag)), grads = grad_fn(
-        state.params, state.target_params, batch, k_loss, state.moe, alpha,
-        net=learner.net, train_cfg=c)
+        state.params, state.target_params, batch, parallel.device_key(k_loss, ax), state.moe,
+        alpha, net=learner.net, train_cfg=c, axis_name=ax)
+    grads = parallel.pmean(grads, ax)  # every device applies the same step
     updates, opt_state = learner.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     target = optax.incremental_update(params, state.target_params, c.tau)
     replay = per.update(state.replay, sample.indices, per_sample + c.per_eps)
+    if ax is not None:  # new items get the global max priority on every shard
+        replay = replay.replace(max_priority=parallel.pmax(replay.max_priority, ax))
     monitor = state.monitor
     grad_norm = global_norm(grads)
     if c.finite_checks:
@@ -209,7 +226,7 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
         flags = _flags({"rewards": jnp.all(jnp.isfinite(batch.reward)),
                         "logits": jnp.all(jnp.isfinite(diag["q_mean"]))
                         & jnp.all(jnp.isfinite(diag["q_std"])),
-                        "loss": jnp.isfinite(loss), "grads": jnp.isfinite(grad_norm)})
+                        "loss": jnp.isfinite(loss), "grads": jnp.isfinite(grad_norm)}, ax)
         monitor = safety.monitor_update(monitor, flags, state.update_step, fold)
     new = state.replace(params=params, target_params=target, opt_state=opt_state, replay=replay,
                         moe=moe, monitor=monitor, key=key, update_step=state.update_step + 1)
@@ -224,9 +241,11 @@ def _zeros_like_metrics(learner: Learner, state: TrainState, env_params, fold) -
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _flags(checked: dict[str, jax.Array]) -> jax.Array:
-    """``bool [len(CHECKED_TENSORS)]`` with the given flags in place, True elsewhere."""
-    return jnp.stack([jnp.asarray(checked.get(n, True)) for n in CHECKED_TENSORS])
+def _flags(checked: dict[str, jax.Array], axis: str | None = None) -> jax.Array:
+    """``bool [len(CHECKED_TENSORS)]`` with the given flags in place, True elsewhere; under data
+    parallel (``axis``) AND-ed over devices, so every device's monitor halts on the same step."""
+    flags = jnp.stack([jnp.asarray(checked.get(n, True)) for n in CHECKED_TENSORS])
+    return parallel.all_true(flags, axis)
 
 
 def _check_params(state: TrainState, fold: jax.Array) -> TrainState:
@@ -248,7 +267,7 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     state = insert(state, items, valid)
     if c.finite_checks:
         flags = _flags({"rewards": col_stats["finite_rewards"],
-                        "logits": col_stats["finite_logits"]})
+                        "logits": col_stats["finite_logits"]}, learner.axis)
         state = state.replace(monitor=safety.monitor_update(
             state.monitor, flags, state.update_step, fold))
     col_stats.pop("finite_rewards")
@@ -257,7 +276,7 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     # start's incomplete n-step window are stored with priority 0 and must not count (were
     # they all the replay held, PER's all-zero fallback would sample them uniformly and give
     # them a priority, making fake transitions from bar 0 training data).
-    ready = per.n_sampleable(state.replay) >= c.min_replay
+    ready = parallel.psum(per.n_sampleable(state.replay), learner.axis) >= c.min_replay
 
     def updates(st):
         def body(s, _):
@@ -302,8 +321,15 @@ def make_epoch_fn(learner: Learner):
     False — their state comes back unchanged — so a seed that has stopped early does not move
     while the others train: each seed's run is the same as if it were trained alone. Their
     metrics are computed and must be ignored.
+
+    Data parallel (``learner.n_devices > 1``): the epoch runs under ``shard_map`` on a mesh of
+    the first D devices (:mod:`jdqn.train.parallel`); the returned function places the state
+    (env, n-step carry and replay split over the devices, the rest replicated) and the env
+    params (replicated) before calling the jitted program, so its inputs always have the same
+    shardings and it compiles once. Metrics are means over the devices (sums for counts).
     """
     c = learner.cfg.train
+    ax = learner.axis
 
     def epoch_one(state: TrainState, env_params, fold):
         def body(st, _):
@@ -319,14 +345,37 @@ def make_epoch_fn(learner: Learner):
             "replay_size": state.replay.size,
         }
         out["collect"]["episodes_done"] = out["collect"]["episodes_done"] * n_col
+        if ax is not None:  # this device's envs and batch → the global figures
+            episodes = parallel.psum(out["collect"].pop("episodes_done"), ax)
+            out["collect"] = parallel.pmean(out["collect"], ax)
+            out["collect"]["episodes_done"] = episodes
+            out["update"] = parallel.pmean(out["update"], ax)
+            out["replay_size"] = parallel.psum(out["replay_size"], ax)
         return state, out
 
     vm = jax.vmap(epoch_one, in_axes=(0, None, None))
+    mesh = parallel.make_mesh(learner.n_devices) if ax is not None else None
 
     def run(state: TrainState, env_params, fold, active: jax.Array | None = None):
-        new, out = vm(state, env_params, fold)
+        if mesh is None:
+            new, out = vm(state, env_params, fold)
+        else:
+            specs = parallel.state_specs(state)
+            new, out = jax.shard_map(vm, mesh=mesh, in_specs=(specs, P(), P()),
+                                     out_specs=(specs, P()), check_vma=False)(
+                state, env_params, fold)
         if active is not None:
             new = select_seeds(active, new, state)
         return new, out
 
-    return jax.jit(run, donate_argnums=(0,))
+    jitted = jax.jit(run, donate_argnums=(0,))
+    if mesh is None:
+        return jitted
+
+    def placed(state: TrainState, env_params, fold, active: jax.Array | None = None):
+        state = jax.device_put(state, parallel.state_shardings(state, mesh))
+        env_params = jax.device_put(env_params, parallel.replicated(mesh))
+        return jitted(state, env_params, fold, active)
+
+    placed._cache_size = jitted._cache_size  # the compile-count checks read it
+    return placed

@@ -26,7 +26,7 @@ from jdqn.losses.moe import MoEState, init_moe_state
 from jdqn.networks.model import BranchingQNetwork, init_params
 from jdqn.replay import nstep as nstep_lib
 from jdqn.replay import per
-from jdqn.train import safety
+from jdqn.train import parallel, safety
 from jdqn.train.optim import make_optimizer
 
 # Named tensors checked for finiteness every update (order fixed: it is the monitor's index).
@@ -83,17 +83,24 @@ class TrainState:
 class Learner:
     """The static pieces (network, optimiser, configs) that the jitted functions close over.
 
-    Equality and hash are those of ``(cfg, flow_idx, width)``, which determine everything else,
-    so two learners built from the same config share compiled programs (``functools.cache``).
+    Equality and hash are those of ``(cfg, flow_idx, width, n_devices)``, which determine
+    everything else, so two learners built from the same config share compiled programs
+    (``functools.cache``).
     """
 
     cfg: Config
     net: BranchingQNetwork
     tx: optax.GradientTransformation
     width: int  # observation width W
+    n_devices: int = 1  # data-parallel devices (jdqn.train.parallel); 1 = one device
+
+    @property
+    def axis(self) -> str | None:
+        """The mesh axis of the data-parallel collectives, None on one device."""
+        return parallel.AXIS if self.n_devices > 1 else None
 
     def _key(self) -> tuple:
-        return (self.cfg, tuple(self.net.flow_idx), self.width)
+        return (self.cfg, tuple(self.net.flow_idx), self.width, self.n_devices)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Learner) and self._key() == other._key()
@@ -103,8 +110,11 @@ class Learner:
 
     @staticmethod
     def create(cfg: Config, flow_idx: tuple[int, ...], width: int) -> Learner:
+        """The learner for ``cfg``; ``parallel.n_devices`` is resolved against the devices JAX
+        sees (a count it cannot have is a ConfigError)."""
         net = BranchingQNetwork(cfg.model, tuple(flow_idx))
-        return Learner(cfg=cfg, net=net, tx=make_optimizer(cfg.train), width=width)
+        return Learner(cfg=cfg, net=net, tx=make_optimizer(cfg.train), width=width,
+                       n_devices=parallel.resolve_n_devices(cfg))
 
 
 def transition_example() -> Transition:
