@@ -462,7 +462,8 @@ def _validate(obj: Any, prefix: str) -> None:
     if isinstance(obj, Config):
         t = obj.train
         if obj.parallel.n_devices > 1:
-            check_divides(obj, obj.parallel.n_devices, "parallel.n_devices")
+            check_divides(obj, obj.parallel.n_devices,
+                          f"parallel.n_devices = {obj.parallel.n_devices}")
         most = t.epochs_per_fold * t.iters_per_epoch * t.collect_steps * obj.env.n_envs
         if t.min_replay > most:  # updates wait for min_replay transitions in the replay
             raise ConfigError(
@@ -481,12 +482,12 @@ def _validate(obj: Any, prefix: str) -> None:
 
 def check_divides(cfg: Config, n_devices: int, what: str) -> None:
     """Data parallel splits the envs, the batch and the replay evenly over the devices: refuse
-    sizes that do not divide (``what`` names where the device count came from)."""
+    sizes that do not divide (``what`` opens the message: where the device count came from)."""
     sizes = {"env.n_envs": cfg.env.n_envs, "train.batch_size": cfg.train.batch_size,
              "train.replay_capacity": cfg.train.replay_capacity}
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % n_devices]
     if bad:
-        raise ConfigError(f"{what} = {n_devices}: {', '.join(bad)} not divisible by "
+        raise ConfigError(f"{what}: {', '.join(bad)} not divisible by "
                           f"{n_devices}; data parallel gives every device an equal share of "
                           "the envs, the batch and the replay")
 

@@ -101,29 +101,14 @@ def gradient_check() -> dict:
 
 def job_config():
     """One config for the epoch and job checks, so they share the compiled epoch."""
-    return tiny_config("train.seeds=[0, 1]", f"parallel.n_devices={N_DEV}", "train.n_folds=1",
+    return tiny_config("train.seeds=[0, 1]", f"parallel.n_devices={N_DEV}",
                        "logging.tensorboard=false")
 
 
-def epoch_check() -> dict:
-    """Two seeds, three epochs on the devices: replicated leaves identical on every device,
-    the devices' env shards different, one compilation, and a second run bitwise equal."""
-    cfg = job_config()
-    p = job_lib.prepare(cfg)
-    env_params = job_lib.fold_env_params(cfg, p, 0)
-    fn = make_epoch_fn(p.learner)
-
-    def run():
-        st = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
-        out = []
-        for _ in range(3):
-            st, m = fn(st, env_params, jnp.asarray(0, jnp.int32), jnp.asarray([True, True]))
-            out.append(jax.device_get(m))
-        return st, out
-
-    st, metrics = run()
+def _split_check(st) -> tuple[list[str], int, bool]:
+    """(replicated leaves that differ between devices, sharded leaf count, env.t differs)."""
     specs = jax.tree.leaves(parallel.state_specs(st), is_leaf=lambda x: isinstance(x, P))
-    diverged, sharded, env_t_differs = [], 0, None
+    diverged, sharded, env_t_differs = [], 0, False
     for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(st)[0], specs, strict=True):
         shards = [np.asarray(_data(s.data)) for s in x.addressable_shards]
         name = jax.tree_util.keystr(path)
@@ -135,14 +120,148 @@ def epoch_check() -> dict:
             assert shards[0].shape[spec.index("data")] * N_DEV == x.shape[spec.index("data")]
             if name == ".env.t":
                 env_t_differs = not np.array_equal(shards[0], shards[1])
+    return diverged, sharded, env_t_differs
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(_data(x)), np.asarray(_data(y)))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def epoch_check(out: Path) -> dict:
+    """Two seeds, three epochs on the devices: replicated leaves identical on every device,
+    one compilation, a second run bitwise equal. Then, on the same program: an epoch with
+    seed 1 frozen (it must not move), a fold boundary (the reset policy applied outside
+    shard_map), a checkpoint save + restore, and an epoch after each, all still replicated."""
+    cfg = job_config()
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    fn = make_epoch_fn(p.learner)
+    fold0 = jnp.asarray(0, jnp.int32)
+
+    def run():
+        st = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+        out = []
+        for _ in range(3):
+            st, m = fn(st, env_params, fold0, jnp.asarray([True, True]))
+            out.append(jax.device_get(m))
+        return st, out
+
+    st, metrics = run()
+    diverged, sharded, env_t_differs = _split_check(st)
     st2, _ = run()
-    repeat = all(np.array_equal(np.asarray(_data(a)), np.asarray(_data(b)))
-                 for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st2), strict=True))
-    return {"diverged": diverged, "n_sharded_leaves": sharded, "env_t_differs": env_t_differs,
-            "repeat_bitwise": repeat, "compilations": int(fn._cache_size()),
-            "n_updates": [float(x) for x in metrics[-1]["n_updates"]],
-            "replay_size": [int(x) for x in metrics[-1]["replay_size"]],
-            "loss_finite": bool(np.all(np.isfinite(metrics[-1]["update"]["loss_total"])))}
+    res = {"diverged": diverged, "n_sharded_leaves": sharded, "env_t_differs": env_t_differs,
+           "repeat_bitwise": _equal(st, st2),
+           "n_updates": [float(x) for x in metrics[-1]["n_updates"]],
+           "replay_size": [int(x) for x in metrics[-1]["replay_size"]],
+           "loss_finite": bool(np.all(np.isfinite(metrics[-1]["update"]["loss_total"])))}
+
+    seed1 = job_lib.seed_slice(st, 1)
+    st, _ = fn(st, env_params, fold0, jnp.asarray([True, False]))
+    res["frozen_seed_unchanged"] = _equal(job_lib.seed_slice(st, 1), seed1)
+    res["after_freeze"] = _split_check(st)[0]
+
+    env1 = job_lib.fold_env_params(cfg, p, 1)
+    st = job_lib._fold_state(p, st, env1, 1, seed_keys(cfg.train.seeds))
+    st, _ = fn(st, env1, jnp.asarray(1, jnp.int32), jnp.asarray([True, True]))
+    res["after_fold_reset"] = _split_check(st)[0]
+
+    from jdqn.train.checkpoint import Checkpointer
+
+    ck = Checkpointer(out / "ck", fingerprint=job_lib.feature_schema(p))
+    ck.save(1, st, metrics={"val_sharpe": 0.0, "fold": 1}, extra_json={})
+    ck.close()
+    ck = Checkpointer(out / "ck", fingerprint=job_lib.feature_schema(p))
+    restored, _ = ck.restore(1, jax.eval_shape(lambda x: x, st))
+    ck.close()
+    res["restore_equal"] = _equal(restored, st)
+    st, _ = fn(restored, env1, jnp.asarray(1, jnp.int32), jnp.asarray([True, True]))
+    res["after_restore"] = _split_check(st)[0]
+    res["compilations"] = int(fn._cache_size())
+    res["schema"] = job_lib.feature_schema(p)
+    return res
+
+
+def randomness_check() -> dict:
+    """Per-device randomness, shown on a state whose every shard holds the same block: with
+    the key folded by device, the devices' exploration (collect) and PER draws (train_step)
+    differ; unfolded they would be identical (the test fails on a missing fold). Also PER's
+    importance weights (max 1 over the global batch) and the reward normaliser (the gathered
+    statistics equal one device's on the global rewards, bitwise, for N > 4096)."""
+    from jdqn.env.normalise import init_norm_state, normalise_reward
+    from jdqn.replay import per
+    from jdqn.train import epoch as epoch_lib
+
+    cfg = job_config()
+    p = job_lib.prepare(cfg)
+    learner = p.learner
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    fn = make_epoch_fn(learner)
+    st = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    st, _ = fn(st, env_params, jnp.asarray(0, jnp.int32), jnp.asarray([True, True]))
+    one = jax.device_get(job_lib.seed_slice(st, 0))
+    specs = parallel.state_specs(one, seeded=False)
+    leaves, tree = jax.tree.flatten(one)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+
+    def dup(x, spec):  # device 0's block on every device
+        if len(spec) == 0:
+            return x
+        ax = spec.index("data")
+        block = jax.lax.slice_in_dim(x, 0, x.shape[ax] // N_DEV, axis=ax)
+        return jnp.concatenate([block] * N_DEV, axis=ax)
+
+    same = jax.tree.unflatten(tree, [dup(x, s) for x, s in zip(leaves, spec_leaves,
+                                                               strict=True)])
+    mesh = parallel.make_mesh(N_DEV)
+
+    def on_devices(f, extra):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=(specs, extra),
+                                     check_vma=False))
+
+    def collect_actions(s):
+        s, chunk, _ = epoch_lib.collect(learner, s, env_params)
+        return s, chunk.action
+
+    collect = on_devices(collect_actions, P(None, "data"))
+    _, actions = collect(same)
+    half = actions.shape[1] // N_DEV
+    step = on_devices(lambda s: epoch_lib.train_step(learner, s, env_params,
+                                                     jnp.asarray(0, jnp.int32)), P())
+    after, _ = step(same)
+    pr = np.asarray(after.replay.priorities)
+    res = {"actions_differ": not np.array_equal(actions[:, :half], actions[:, half:]),
+           "priorities_differ": not np.array_equal(pr[: pr.size // 2], pr[pr.size // 2:]),
+           "start_identical": np.array_equal(np.asarray(same.env.t)[:half],
+                                             np.asarray(same.env.t)[half:])}
+
+    # PER importance weights: divided by their maximum over both devices' draws.
+    pri = jax.random.uniform(jax.random.key(5), (2048,), minval=0.01, maxval=5.0)
+    rs = per.init(2048, jnp.zeros((), jnp.float32)).replace(
+        priorities=pri, size=jnp.asarray(1024, jnp.int32))  # 1024 filled slots per shard
+    rs_specs = jax.tree.map(lambda _: P(), rs).replace(storage=P("data"), priorities=P("data"))
+
+    def draw(r):
+        k = jax.random.fold_in(jax.random.key(1), jax.lax.axis_index("data"))
+        return per.sample(r, k, 64, 0.6, 0.4, axis_name="data").weights
+
+    w = np.asarray(jax.jit(jax.shard_map(draw, mesh=mesh, in_specs=(rs_specs,),
+                                         out_specs=P("data"), check_vma=False))(rs))
+    res["weights_max"] = float(w.max())
+    res["weights_shard_max"] = [float(w[:64].max()), float(w[64:].max())]
+
+    # Reward normaliser: gathered statistics vs one device on the global rewards (2 seeds).
+    rewards = jax.random.normal(jax.random.key(2), (2, 10000)) * 0.01
+    for mode in ("robust", "popart"):
+        ns = init_norm_state(cfg.env).replace(mode=mode)
+        ns = jax.tree.map(lambda x: jnp.stack([x, x]), ns)
+        want = jax.jit(jax.vmap(normalise_reward))(ns, rewards)  # (jitted, as the trainer)
+        got = jax.jit(jax.shard_map(jax.vmap(lambda n, r: epoch_lib._normalise(n, r, "data")),
+                                    mesh=mesh, in_specs=(P(), P(None, "data")),
+                                    out_specs=(P(), P(None, "data")), check_vma=False))(
+            ns, rewards)
+        res[f"normaliser_{mode}_bitwise"] = _equal(got, want)
+    return res
 
 
 def job_check(out: Path) -> dict:
@@ -162,8 +281,8 @@ if __name__ == "__main__":
 
     out = Path(sys.argv[1])
     res: dict = {"devices": len(jax.devices())}
-    for name, fn in (("gradient", gradient_check), ("epoch", epoch_check),
-                     ("job", lambda: job_check(out))):
+    for name, fn in (("gradient", gradient_check), ("epoch", lambda: epoch_check(out)),
+                     ("randomness", randomness_check), ("job", lambda: job_check(out))):
         t = time.perf_counter()
         res[name] = fn()
         res[name]["seconds"] = round(time.perf_counter() - t, 1)

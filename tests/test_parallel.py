@@ -3,12 +3,14 @@ two simulated CPU devices in a subprocess (``parallel_worker.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from helpers import tiny_config
 
@@ -33,22 +35,41 @@ def test_multi_host_is_refused_not_ignored():
         tiny_config("parallel.distributed=true")
 
 
-def test_more_devices_than_present_is_a_clear_error():
-    cfg = tiny_config("parallel.n_devices=2")  # the test process has one CPU device
-    with pytest.raises(ConfigError, match=r"parallel.n_devices = 2, but JAX sees 1 cpu "
-                                          r"device\(s\)"):
+def test_more_devices_than_present_is_a_clear_error_before_the_data_is_read(monkeypatch):
+    n = len(jax.devices())
+    cfg = tiny_config(f"parallel.n_devices={2 * n}")
+    monkeypatch.setattr(job_lib, "load_or_build", lambda c: pytest.fail("data read first"))
+    with pytest.raises(ConfigError, match=rf"parallel.n_devices = {2 * n}, but JAX sees {n} "):
         job_lib.prepare(cfg)
 
 
-def test_all_devices_on_a_one_device_machine_is_the_single_device_program():
-    cfg = tiny_config("parallel.n_devices=0")
-    learner = Learner.create(cfg, (), 32)
-    assert learner.n_devices == 1 and learner.axis is None
+def test_every_device_resolves_to_the_count_present_and_names_it_in_errors(monkeypatch):
+    learner = Learner.create(tiny_config("parallel.n_devices=0"), (), 32)
+    n = len(jax.devices())
+    assert learner.n_devices == n and (learner.axis is None) == (n == 1)
+    monkeypatch.setattr(jax, "devices", lambda: ["d0", "d1", "d2"])
+    with pytest.raises(ConfigError, match=r"^parallel.n_devices = 0 \(every device JAX sees: "
+                                          r"3\): env.n_envs = 16, train.batch_size = 32, "):
+        Learner.create(tiny_config("parallel.n_devices=0"), (), 32)
+
+
+def test_the_resolved_device_count_is_part_of_the_checkpoint_fingerprint(monkeypatch):
+    from jdqn.train.checkpoint import _schema_diff
+
+    p = job_lib.prepare(tiny_config("parallel.n_devices=0"))
+    one = job_lib.feature_schema(p)
+    assert one == job_lib.feature_schema(job_lib.prepare(tiny_config()))  # 0 → 1 here
+    two = job_lib.feature_schema(dataclasses.replace(p, learner=dataclasses.replace(
+        p.learner, n_devices=2)))
+    assert two != one and two.endswith(";devices=2")
+    assert "device count (2 in the checkpoint vs 1 now)" in _schema_diff(two, one)
 
 
 @pytest.mark.slow
 def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    # CPU devices whatever the machine has (on a GPU, TF32 matmuls put the gradients of a split
+    # and a whole batch 1e-3 apart, so the gradient check is a CPU check).
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -65,11 +86,20 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
 
     e = res["epoch"]
     assert e["diverged"] == [], f"replicated leaves differ between devices: {e['diverged']}"
-    assert e["n_sharded_leaves"] > 0 and e["env_t_differs"], e  # the devices explore apart
+    assert e["n_sharded_leaves"] == 30 and e["env_t_differs"], e  # env 14, n-step 7, replay 9
     assert e["repeat_bitwise"] and e["compilations"] == 1, e
     assert e["n_updates"] == [16.0, 16.0] and e["loss_finite"], e
     # The replay holds both devices' transitions: 3 epochs × 8 iters × 4 steps × 16 envs.
     assert e["replay_size"] == [1536, 1536], e
+    assert e["frozen_seed_unchanged"], e
+    assert e["after_freeze"] == e["after_fold_reset"] == e["after_restore"] == [], e
+    assert e["restore_equal"] and e["schema"].endswith(";devices=2"), e
+
+    r = res["randomness"]
+    assert r["start_identical"], r  # every device starts from the same block ...
+    assert r["actions_differ"] and r["priorities_differ"], r  # ... and draws its own noise
+    assert r["weights_max"] == 1.0 and min(r["weights_shard_max"]) < 1.0, r
+    assert r["normaliser_robust_bitwise"] and r["normaliser_popart_bitwise"], r
 
     j = res["job"]
     assert j["compilations"] == 1 and j["resume_same_returns"] and j["resume_same_sharpe"], j

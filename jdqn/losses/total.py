@@ -85,7 +85,8 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     does not average that way: it uses the global utilisation ``ū`` (a ``pmean``, no gradient
     through it) in ``λ·K·Σ_k [ū_k² + 2ū_k·(u_k − sg(u_k))]``, whose value is the global term and
     whose gradient, averaged over devices, is the global term's gradient. The MoE state's EMA
-    reads ``ū``. Returned components and diagnostics are this shard's (the caller averages).
+    reads ``ū``. The Q mean and spread diagnostics are the global batch's; the other returned
+    components and diagnostics are this shard's means (the caller averages them).
     """
     cfg = net.cfg
     chex.assert_rank([batch.obs, batch.action, batch.reward, batch.discount, batch.next_obs,
@@ -147,9 +148,17 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
 
     util = (jax.lax.stop_gradient(gate_utilisation(online.gate)) if util_all is None
             else util_all)
+    if axis_name is None:
+        q_mean = jnp.stack([jnp.mean(q) for q in online.q])
+        q_std = jnp.stack([jnp.std(q) for q in online.q])
+    else:  # over the global batch: the mean and spread of all devices' Q together
+        qs = [jax.lax.stop_gradient(q) for q in online.q]
+        q_mean = jax.lax.pmean(jnp.stack([jnp.mean(q) for q in qs]), axis_name)
+        q_sq = jax.lax.pmean(jnp.stack([jnp.mean(jnp.square(q)) for q in qs]), axis_name)
+        q_std = jnp.sqrt(jnp.maximum(q_sq - jnp.square(q_mean), 0.0))
     diagnostics = {
-        "q_mean": jnp.stack([jnp.mean(q) for q in online.q]),
-        "q_std": jnp.stack([jnp.std(q) for q in online.q]),
+        "q_mean": q_mean,
+        "q_std": q_std,
         "q_gap": jnp.mean(q_gap(online.q[DIRECTION])),
         "target_mean": jnp.mean(td["target_mean"], axis=0),
         "td_per_branch": jnp.mean(td["td"], axis=0),

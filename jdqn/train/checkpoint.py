@@ -68,7 +68,7 @@ def layout_fingerprint(state: PyTree, schema: str = "") -> dict[str, Any]:
 
 
 _SCHEMA_PARTS = {"features": "the features", "data": "the market data",
-                 "config": "the config"}
+                 "config": "the config", "devices": "the device count"}
 
 
 def _schema_diff(saved: str, want: str) -> str:
@@ -79,6 +79,8 @@ def _schema_diff(saved: str, want: str) -> str:
     a, b = parts(saved), parts(want)
     if not a or not b:
         return f"feature schema {saved!r} in the checkpoint vs {want!r} expected"
+    for x in (a, b):  # one-device runs write no devices part
+        x.setdefault("devices", "1")
     named = [f"{_SCHEMA_PARTS.get(k, k)} ({a.get(k)} in the checkpoint vs {b.get(k)} now)"
              for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return "it was written for other " + " and ".join(

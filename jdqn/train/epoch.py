@@ -112,7 +112,7 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
             "atom_effective": jnp.mean(jnp.exp(entropy)),
             "reward_raw": jnp.mean(reward),
             "reward_norm": jnp.mean(reward_n),
-            "q_abs_mean": jnp.abs(jnp.mean(q_dir)),
+            "q_abs_mean": jnp.abs(parallel.pmean(jnp.mean(q_dir), ax)),  # all envs' mean
             "q_gap": jnp.mean(jnp.max(q_dir, -1) - jnp.min(q_dir, -1)),
             "abs_intended": jnp.mean(jnp.abs(info["intended_position"])),
             "abs_realised": jnp.mean(jnp.abs(info["position"])),
@@ -137,7 +137,7 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
 def _normalise(norm, reward: jax.Array, axis: str | None):
     """Reward normalisation; under data parallel its statistics are taken over the rewards of
     every device's envs (so they stay replicated) and this device's block is returned."""
-    if axis is None:
+    if axis is None or norm.mode == "none":
         return normalise_reward(norm, reward)
     norm, rn = normalise_reward(norm, parallel.gather(reward, axis))
     return norm, parallel.local_block(rn, reward.shape[0], axis)

@@ -36,7 +36,7 @@ from jdqn.evaluate.backtest import BacktestResult, rollout
 from jdqn.evaluate.baselines import run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year
 from jdqn.evaluate.report import write_report, write_seed_summary
-from jdqn.train import safety
+from jdqn.train import parallel, safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
 from jdqn.train.folds import FoldPlan, plan_folds
 from jdqn.train.logger import RunLogger
@@ -65,6 +65,7 @@ class Prepared:
 
 
 def prepare(cfg: Config) -> Prepared:
+    parallel.resolve_n_devices(cfg)  # a device count the machine lacks: refused before the data
     bars, feats, hit = load_or_build(cfg)
     layout = StateLayout(feats.n_features, cfg.features.state_width)
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
@@ -101,6 +102,8 @@ def feature_schema(p: Prepared) -> str:
     its observations (feature names, cache schema, state width, flow columns), the market data
     it was trained on (every bar's time and OHLCV) and the whole resolved config.
 
+    Under data parallel a ``devices=D`` part names the device count.
+
     The checkpointer combines it with the state's tree structure, shapes and dtypes into the
     layout fingerprint that every restore checks, so a resume on changed data (which moves the
     fold windows: a new test window could overlap bars already used for validation) or under
@@ -116,8 +119,14 @@ def feature_schema(p: Prepared) -> str:
     features = digest({"features": list(p.feats.names), "schema": SCHEMA_VERSION,
                        "width": p.layout.width, "flow_idx": list(p.feats.flow_idx)})
     data = digest(len(b.close), b.ts, b.open, b.high, b.low, b.close, b.volume)
-    config = digest(dumps_toml(p.learner.cfg))
-    return f"features={features};data={data};config={config}"
+    # The config as run: `parallel.n_devices = 0` ("every device") is digested as the count it
+    # resolved to, so the same file on another machine is another run (the replay is saved
+    # as one ring per device: resumed on another count, its slots would be misread).
+    cfg, n_dev = p.learner.cfg, p.learner.n_devices
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, n_devices=n_dev))
+    config = digest(dumps_toml(cfg))
+    schema = f"features={features};data={data};config={config}"
+    return schema + (f";devices={n_dev}" if n_dev > 1 else "")
 
 
 @functools.cache
@@ -137,6 +146,7 @@ def seed_slice(tree: Any, s: int) -> Any:
 
 def evaluate_params(cfg: Config, p: Prepared, env_params: env_core.EnvParams, params: Any,
                     lo: int, hi: int) -> BacktestResult:
+    params = parallel.on_first_device(params, p.learner.n_devices)  # one device backtests
     return rollout(env_params, _greedy_fn(p.learner), params, lo=lo, hi=hi,
                    n_windows=cfg.eval.n_windows, stride=cfg.eval.stride)
 
@@ -291,6 +301,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
         fold = p.plan.folds[f]
         env_params = fold_env_params(cfg, p, f)
         val_params = env_core.with_window(env_params, *fold.val, training=False)
+        train_env = parallel.replicate(env_params, p.learner.n_devices)  # once per fold
         if progress["fold"] != f or progress["fold_done"] or state is None:
             state = _fold_state(p, state, env_params, f, keys)
             progress.update(fold=f, epoch=-1, fold_done=False, best_val=[None] * n_seeds,
@@ -303,7 +314,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             # A seed out of patience is frozen (its state does not move) while the others
             # train on, so every seed's run is the one it would have alone.
             active = [b < tc.patience for b in progress["bad_epochs"]]
-            state, metrics = epoch_fn(state, env_params, fold_arr, jnp.asarray(active))
+            state, metrics = epoch_fn(state, train_env, fold_arr, jnp.asarray(active))
             metrics, monitor = jax.device_get((metrics, state.monitor))
             safety.raise_if_halted(monitor, CHECKED_TENSORS, tc.seeds)
             q_now = [float(x) for x in metrics["collect"]["q_abs_mean"]]

@@ -29,8 +29,12 @@ batch or all envs is computed over the global batch here too, with a collective:
   sampling probability (each shard contributes B/D of the batch), and the weights are divided
   by their maximum over the global batch (``pmax``), as one device would. New items get the
   global max priority (``pmax`` after every update), so a shard does not lag;
-* the replay-readiness test (``min_replay``) counts sampleable slots over all shards; NaN flags
-  are OR-ed over devices, so every device halts on the same update.
+* the replay-readiness test (``min_replay``) counts sampleable slots over all shards; the
+  finite-tensor flags are AND-ed over devices, so every device halts on the same update; the
+  Q statistics behind the Q-drift halt and the diagnostics are global means and spreads.
+
+The replay's position and size are replicated but are per-shard values (≤ C/D): every shard
+inserts the same number of items per iteration, so they agree.
 
 Exploration, env resets, PER draws and IQN τ samples draw from the replicated key folded with
 the device index, so the shards explore differently and the key in the state stays replicated
@@ -70,8 +74,20 @@ def resolve_n_devices(cfg: Config) -> int:
         raise ConfigError(f"parallel.n_devices = {want}, but JAX sees {len(devices)} "
                           f"{devices[0].platform} device(s); lower n_devices (0 = all of them)")
     if want == 0:
-        check_divides(cfg, n, f"parallel.n_devices = 0 (every device: {n})")
+        check_divides(cfg, n, f"parallel.n_devices = 0 (every device JAX sees: {n})")
     return n
+
+
+def replicate(tree: Any, n_devices: int) -> Any:
+    """``tree`` copied to each of the first ``n_devices`` devices (unchanged on one device):
+    the env params the data-parallel epoch reads, placed once per fold rather than per call."""
+    return tree if n_devices == 1 else jax.device_put(tree, replicated(make_mesh(n_devices)))
+
+
+def on_first_device(tree: Any, n_devices: int) -> Any:
+    """``tree`` on the first device only: a replicated array handed to a one-device program
+    (the validation and test backtests) would make it run on every device of the mesh."""
+    return tree if n_devices == 1 else jax.device_put(tree, jax.devices()[0])
 
 
 def make_mesh(n_devices: int) -> Mesh:
