@@ -16,6 +16,7 @@ from helpers import tiny_config
 
 from jdqn.config import ConfigError
 from jdqn.train import job as job_lib
+from jdqn.train.parallel import resolve_n_devices
 from jdqn.train.state import Learner
 
 HERE = Path(__file__).resolve().parent
@@ -43,14 +44,14 @@ def test_more_devices_than_present_is_a_clear_error_before_the_data_is_read(monk
         job_lib.prepare(cfg)
 
 
-def test_every_device_resolves_to_the_count_present_and_names_it_in_errors(monkeypatch):
+def test_every_device_resolves_to_the_count_present_and_names_it_in_errors():
     learner = Learner.create(tiny_config("parallel.n_devices=0"), (), 32)
     n = len(jax.devices())
     assert learner.n_devices == n and (learner.axis is None) == (n == 1)
-    monkeypatch.setattr(jax, "devices", lambda: ["d0", "d1", "d2"])
     with pytest.raises(ConfigError, match=r"^parallel.n_devices = 0 \(every device JAX sees: "
                                           r"3\): env.n_envs = 16, train.batch_size = 32, "):
-        Learner.create(tiny_config("parallel.n_devices=0"), (), 32)
+        resolve_n_devices(tiny_config("parallel.n_devices=0"), ["d0", "d1", "d2"])
+    assert resolve_n_devices(tiny_config("parallel.n_devices=0"), ["d0", "d1"]) == 2
 
 
 def test_the_resolved_device_count_is_part_of_the_checkpoint_fingerprint(monkeypatch):

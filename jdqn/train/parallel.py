@@ -62,17 +62,19 @@ AXIS = "data"
 Array = jax.Array
 
 
-def resolve_n_devices(cfg: Config) -> int:
+def resolve_n_devices(cfg: Config, devices: list[Any] | None = None) -> int:
     """The device count the job trains on (``parallel.n_devices``; 0 = every device JAX sees),
-    checked against the devices present and the sizes it must divide."""
+    checked against the devices present (``devices``, default ``jax.devices()``) and the sizes
+    it must divide."""
     want = cfg.parallel.n_devices
     if want == 1:
         return 1
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     n = len(devices) if want == 0 else want
     if n > len(devices):
         raise ConfigError(f"parallel.n_devices = {want}, but JAX sees {len(devices)} "
-                          f"{devices[0].platform} device(s); lower n_devices (0 = all of them)")
+                          f"{getattr(devices[0], 'platform', '')} device(s); lower n_devices "
+                          "(0 = all of them)")
     if want == 0:
         check_divides(cfg, n, f"parallel.n_devices = 0 (every device JAX sees: {n})")
     return n
