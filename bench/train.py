@@ -10,6 +10,7 @@ normalisation) on N envs; the epoch is ``make_epoch_fn`` with the config's sizes
     python bench/train.py --quick               # small sizes, CPU smoke run
     python bench/train.py --dtype bfloat16      # bf16 mixed precision
     python bench/train.py --out r.json          # r.json rewritten after each section
+    python bench/train.py --config configs/multi_gpu.toml   # data parallel over every GPU
 
 Timings exclude compilation (one warm-up call) and end with ``block_until_ready``; each figure
 is the best of ``--repeats`` runs. Matmul precision is JAX's default unless ``--precision`` is

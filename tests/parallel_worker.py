@@ -271,7 +271,8 @@ def job_check(out: Path) -> dict:
     rep = job_lib.run_job(cfg, out / "run", quiet=True)
     before = (out / "run" / "returns.csv").read_bytes()
     rep2 = job_lib.run_job(cfg, out / "run", resume=True, quiet=True)
-    return {"test_sharpe": rep["test"]["sharpe"], "compilations": rep["extra"]["epoch_compilations"],
+    return {"test_sharpe": rep["test"]["sharpe"], "devices": rep["extra"]["devices"],
+            "compilations": rep["extra"]["epoch_compilations"],
             "resume_same_returns": (out / "run" / "returns.csv").read_bytes() == before,
             "resume_same_sharpe": rep2["test"]["sharpe"] == rep["test"]["sharpe"]}
 

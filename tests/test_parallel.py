@@ -104,3 +104,4 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
 
     j = res["job"]
     assert j["compilations"] == 1 and j["resume_same_returns"] and j["resume_same_sharpe"], j
+    assert j["devices"] == 2, j  # the report says what trained it

@@ -279,6 +279,7 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
             "features": list(p.feats.names),
             "n_params": int(sum(np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
             "epoch_compilations": int(epoch_fn._cache_size()),
+            "devices": p.learner.n_devices, "platform": jax.devices()[0].platform,
             "wall_seconds": time.perf_counter() - t0,
         }
         reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
