@@ -1,11 +1,14 @@
 """Shared test set-up.
 
-Compiled XLA programs are cached on disk across test processes (and the subprocesses the CLI
-tests start), so each distinct program compiles once per machine rather than once per test.
+Compiled XLA programs are cached on disk: the subprocesses the CLI tests start write and read
+the cache, the test processes only read it (see the fixture below), so a program a CLI run
+compiled once is not compiled again by the next.
 """
 
 import os
 from pathlib import Path
+
+import pytest
 
 CACHE = Path(os.environ.setdefault("JDQN_TEST_XLA_CACHE",
                                    str(Path(__file__).resolve().parents[1] / ".pytest_cache"
@@ -15,3 +18,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _no_cache_writes_in_test_processes():
+    """The test processes read the persistent compilation cache but do not write it; the CLI
+    subprocesses the tests start still write (they take the 0.5 s threshold from the
+    environment above). jaxlib 0.10.2's CPU executable serialisation, which only a cache write
+    calls, crashed an xdist worker twice in CI with a segmentation fault (the same test's
+    epoch program, after the worker had compiled a few hundred others; never in a fresh
+    process). An in-process ``jdqn.main`` call re-enables writes until the next test."""
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
