@@ -3,14 +3,14 @@
 The epoch runs under ``jax.shard_map`` over a one-axis mesh ``("data",)`` of D devices. Each
 device holds an equal share of what scales with the data, and a copy of everything else:
 
-=====================================  ======================================================
+=======================================  ====================================================
 sharded (a contiguous block per device)  replicated (identical on every device)
-=====================================  ======================================================
+=======================================  ====================================================
 env state (``N/D`` envs)                 params, target params, best params, optimiser state
 n-step window carry (``N/D`` envs)       reward-normaliser statistics, MoE state, NaN monitor
 replay items and priorities (``C/D``)    replay position, size and max priority, PRNG key,
                                          step counters
-=====================================  ======================================================
+=======================================  ====================================================
 
 A device collects from its own envs into its own replay shard and samples ``B/D`` transitions
 from it; the gradient is the mean over all D shards (an all-reduce), so every device applies the
