@@ -61,23 +61,6 @@ def build(cfg):
     return p, env_params, state
 
 
-def on_devices(learner, fn, extra_out):
-    """``jax.jit(fn)`` for ``fn(single-seed state) -> state`` or ``-> (state, extra)``; with
-    ``parallel.n_devices > 1`` under ``shard_map`` on the devices, as the epoch runs (``extra``
-    comes back as device 0's)."""
-    if learner.axis is None:
-        return jax.jit(fn)
-    mesh = parallel.make_mesh(learner.n_devices)
-
-    def sharded(st):
-        specs = parallel.state_specs(st, seeded=False)
-        out = specs if extra_out is None else (specs, extra_out)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out,
-                             check_vma=False)(st)
-
-    return jax.jit(sharded)
-
-
 def filled_update_loop(cfg, n_updates: int):
     """``(updates, state)``: a jitted ``lax.scan`` of ``n_updates`` train steps and a single-seed
     state whose replay holds real collected transitions (enough for any batch). With
@@ -87,7 +70,7 @@ def filled_update_loop(cfg, n_updates: int):
     learner = p.learner
     fold = jnp.asarray(0, jnp.int32)
 
-    @functools.partial(on_devices, learner, extra_out=None)
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices)
     def fill(st):
         def body(s, _):
             s, chunk, _ = epoch_lib.collect(learner, s, env_params)
@@ -96,7 +79,7 @@ def filled_update_loop(cfg, n_updates: int):
 
         return jax.lax.scan(body, st, None, length=4)[0]
 
-    @functools.partial(on_devices, learner, extra_out=P())
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P())
     def updates(st):
         def body(s, _):
             s, m = epoch_lib.train_step(learner, s, env_params, fold)
@@ -122,7 +105,7 @@ def bench_collect(cfg, repeats: int) -> dict:
     learner = p.learner
     one = jax.tree.map(lambda x: x[0], state)
 
-    @functools.partial(on_devices, learner, extra_out=P())
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P())
     def collect(st):
         def body(s, _):
             s, _, stats = epoch_lib.collect(learner, s, env_params)

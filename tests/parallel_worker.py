@@ -215,19 +215,15 @@ def randomness_check() -> dict:
                                                                strict=True)])
     mesh = parallel.make_mesh(N_DEV)
 
-    def on_devices(f, extra):
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs,), out_specs=(specs, extra),
-                                     check_vma=False))
-
     def collect_actions(s):
         s, chunk, _ = epoch_lib.collect(learner, s, env_params)
         return s, chunk.action
 
-    collect = on_devices(collect_actions, P(None, "data"))
+    collect = parallel.on_devices(collect_actions, N_DEV, P(None, "data"))
     _, actions = collect(same)
     half = actions.shape[1] // N_DEV
-    step = on_devices(lambda s: epoch_lib.train_step(learner, s, env_params,
-                                                     jnp.asarray(0, jnp.int32)), P())
+    step = parallel.on_devices(lambda s: epoch_lib.train_step(
+        learner, s, env_params, jnp.asarray(0, jnp.int32)), N_DEV, P())
     after, _ = step(same)
     pr = np.asarray(after.replay.priorities)
     res = {"actions_differ": not np.array_equal(actions[:, :half], actions[:, half:]),

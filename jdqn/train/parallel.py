@@ -166,5 +166,23 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def on_devices(fn: Any, n_devices: int, extra_out: Any = None) -> Any:
+    """``jax.jit(fn)`` for ``fn(one seed's state) -> state`` or ``-> (state, extra)``; with
+    ``n_devices > 1`` under ``shard_map``, the state placed by :func:`state_specs` as the epoch
+    places it (``extra`` is laid out by the spec ``extra_out``; ``P()`` returns device 0's).
+    For benchmarks and tests that run pieces of the epoch (collect, train_step) alone."""
+    if n_devices == 1:
+        return jax.jit(fn)
+    mesh = make_mesh(n_devices)
+
+    def sharded(st):
+        specs = state_specs(st, seeded=False)
+        out = specs if extra_out is None else (specs, extra_out)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out,
+                             check_vma=False)(st)
+
+    return jax.jit(sharded)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
