@@ -243,6 +243,11 @@ class TrainConfig:
     per_beta_steps: int = fld(10_000, ge=1)
     per_eps: float = fld(1e-6, gt=0)
     exploration: Literal["epsilon", "boltzmann"] = "epsilon"
+    # How a training episode's end enters the returns (docs/training.md, "Episode ends"):
+    # "truncate" = the market goes on: the forced-liquidation step (it ignores the policy) is
+    # not a transition, and the step before it bootstraps from the final decision bar's state;
+    # "terminal" = the episode's end is the end of the task: no bootstrap after it.
+    episode_end: Literal["truncate", "terminal"] = "truncate"
     eps_start: float = fld(1.0, ge=0, le=1)
     eps_end: float = fld(0.05, ge=0, le=1)
     eps_decay_steps: int = fld(5000, ge=1)

@@ -87,7 +87,7 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
 
     e = res["epoch"]
     assert e["diverged"] == [], f"replicated leaves differ between devices: {e['diverged']}"
-    assert e["n_sharded_leaves"] == 30 and e["env_t_differs"], e  # env 14, n-step 7, replay 9
+    assert e["n_sharded_leaves"] == 31 and e["env_t_differs"], e  # env 14, n-step 8, replay 9
     assert e["repeat_bitwise"] and e["compilations"] == 1, e
     assert e["n_updates"] == [16.0, 16.0] and e["loss_finite"], e
     # The replay holds both devices' transitions: 3 epochs × 8 iters × 4 steps × 16 envs.

@@ -434,6 +434,59 @@ def test_fold_start_placeholders_never_become_training_data():
     assert not ((t < lo) & (pr > 0)).any()  # none of them can ever be sampled
 
 
+def _episode_end_transitions(mode: str):
+    """Collect 2 chunks of 7 steps on 5-step episodes; returns the second chunk's window
+    (as numpy), the transitions built from it and their valid flags."""
+    from jdqn.train import epoch as epoch_lib
+    from jdqn.replay import nstep as nstep_lib
+
+    cfg = tiny_config("env.episode_length=5", "train.collect_steps=7", "train.n_step=3",
+                      "train.gamma=0.9", f"train.episode_end={mode}")
+    p, env_params, state = _setup(cfg)
+    st = jax.tree.map(lambda x: x[0], state)
+    st, chunk, _ = epoch_lib.collect(p.learner, st, env_params)
+    st, _, _ = epoch_lib.to_transitions(p.learner, st, chunk)
+    st, chunk, _ = epoch_lib.collect(p.learner, st, env_params)
+    win, _, _ = nstep_lib.window(st.nstep, chunk)
+    _, tr, valid = epoch_lib.to_transitions(p.learner, st, chunk)
+    return jax.device_get(win), jax.device_get(tr), np.asarray(valid), st.nstep.tail.t.shape[1]
+
+
+def test_an_episode_end_is_a_time_limit_not_a_termination():
+    # The forced liquidation ignores the policy: it must not be a transition, and the returns
+    # of the steps before it stop at the final decision bar and bootstrap from its state.
+    win, tr, valid, n_envs = _episode_end_transitions("truncate")
+    k, n, g = 7, 3, 0.9
+    done, trunc = np.asarray(win.done), np.asarray(win.truncated)
+    assert done.any() and (trunc & ~done).any()  # the window holds episode ends
+    for i in range(k):
+        for e in range(n_envs):
+            j = i * n_envs + e
+            assert valid[j] == (not done[i, e])  # a whole window; only forced steps are out
+            if done[i, e]:
+                continue
+            m = next((q + 1 for q in range(n) if trunc[i + q, e]), n)
+            assert not done[i:i + m, e].any()  # no forced liquidation inside a return
+            want = sum(g**q * float(win.reward[i + q, e]) for q in range(m))
+            np.testing.assert_allclose(tr.reward[j], want, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(tr.discount[j], g**m, rtol=1e-6)  # always a bootstrap
+            assert tr.next_t[j] == win.next_t[i + m - 1, e]
+            if trunc[i + m - 1, e] and i + m < done.shape[0]:  # the forced step is next:
+                assert done[i + m, e] and win.t[i + m, e] == tr.next_t[j]  # its decision bar
+
+
+def test_a_terminal_episode_end_stores_the_forced_step_without_bootstrap():
+    win, tr, valid, n_envs = _episode_end_transitions("terminal")
+    done = np.asarray(win.done)
+    assert done.any() and valid.all()
+    for i in range(7):
+        for e in range(n_envs):
+            j = i * n_envs + e
+            assert (tr.discount[j] == 0) == done[i:i + 3, e].any()  # an end within n steps
+            if done[i, e]:  # the forced step itself: its own reward, no bootstrap
+                np.testing.assert_allclose(tr.reward[j], win.reward[i, e], rtol=1e-6)
+
+
 def test_resume_refuses_a_checkpoint_without_loop_state(tmp_path):
     from jdqn.train import checkpoint as ckpt_lib
 

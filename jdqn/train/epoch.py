@@ -99,7 +99,8 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
                                                  env_core.PolicyAux(q_gap=gap, q_var=var))
         norm, reward_n = _normalise(st.norm, reward, ax)
         rec = StepRecord(t=st.env.t, port=env_core.portfolio(env_params, st.env), action=action,
-                         reward=reward_n, done=done, next_t=env1.t,
+                         reward=reward_n, done=done, truncated=env1.t >= env1.last,
+                         next_t=env1.t,
                          next_port=env_core.portfolio(env_params, env1))
         env2 = env_core.auto_reset(env_params, env1, done, parallel.device_key(k_reset, ax))
         q_dir = out.q[0]
@@ -145,11 +146,22 @@ def _normalise(norm, reward: jax.Array, axis: str | None):
 
 def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
                    ) -> tuple[TrainState, Transition, jax.Array]:
-    """n-step transitions ``[K·N]`` from the carry + chunk, and which of them are valid."""
+    """n-step transitions ``[K·N]`` from the carry + chunk, and which of them are valid.
+
+    ``train.episode_end = "truncate"``: an episode's forced-liquidation step ignored the policy,
+    so it starts no transition, and the step before it ends every sum with a bootstrap from the
+    final decision bar's state (a time limit, not a termination: the market goes on).
+    ``"terminal"``: the forced step is a transition and its ``done`` ends the return with no
+    bootstrap."""
     c = learner.cfg.train
     win, valid, carry = nstep_lib.window(state.nstep, chunk)
-    ns = nstep_lib.nstep_returns(win.reward, win.done, c.gamma, c.n_step)
     k = chunk.reward.shape[0]
+    if c.episode_end == "truncate":
+        ns = nstep_lib.nstep_returns(win.reward, jnp.zeros_like(win.done), c.gamma, c.n_step,
+                                     truncated=win.truncated)
+        valid = valid & ~win.done[:k]
+    else:
+        ns = nstep_lib.nstep_returns(win.reward, win.done, c.gamma, c.n_step)
     # Bootstrap from the recorded next-observation of step t + m − 1 (window row).
     rows = jnp.arange(k, dtype=jnp.int32)[:, None] + ns.offsets - 1  # [K, N]
     take = lambda x: jnp.take_along_axis(
@@ -163,8 +175,8 @@ def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
 
 
 def insert(state: TrainState, items: Transition, valid: jax.Array) -> TrainState:
-    """Add the transitions; invalid ones (an incomplete window at a fold start) get priority 0
-    so they are never sampled, and are overwritten in ring order like any other slot."""
+    """Add the transitions; invalid ones (an incomplete window at a fold start, a forced
+    liquidation under ``episode_end = "truncate"``) get priority 0 so they are never sampled, and are overwritten in ring order like any other slot."""
     cap = state.replay.capacity
     n = valid.shape[0]
     pos0 = state.replay.position

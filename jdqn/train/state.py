@@ -54,7 +54,8 @@ class StepRecord:
     port: jax.Array
     action: jax.Array
     reward: jax.Array
-    done: jax.Array
+    done: jax.Array  # the forced-liquidation step that ended the episode
+    truncated: jax.Array  # the episode's next step (if any) is its forced-liquidation step
     next_t: jax.Array
     next_port: jax.Array
 
@@ -128,7 +129,8 @@ def step_example(n_envs: int) -> StepRecord:
     f, i = jnp.float32, jnp.int32
     return StepRecord(t=jnp.zeros((n_envs,), i), port=jnp.zeros((n_envs, 4), f),
                       action=jnp.zeros((n_envs, 4), i), reward=jnp.zeros((n_envs,), f),
-                      done=jnp.zeros((n_envs,), bool), next_t=jnp.zeros((n_envs,), i),
+                      done=jnp.zeros((n_envs,), bool), truncated=jnp.zeros((n_envs,), bool),
+                      next_t=jnp.zeros((n_envs,), i),
                       next_port=jnp.zeros((n_envs, 4), f))
 
 
