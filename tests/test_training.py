@@ -437,8 +437,8 @@ def test_fold_start_placeholders_never_become_training_data():
 def _episode_end_transitions(mode: str):
     """Collect 2 chunks of 7 steps on 5-step episodes; returns the second chunk's window
     (as numpy), the transitions built from it and their valid flags."""
-    from jdqn.train import epoch as epoch_lib
     from jdqn.replay import nstep as nstep_lib
+    from jdqn.train import epoch as epoch_lib
 
     cfg = tiny_config("env.episode_length=5", "train.collect_steps=7", "train.n_step=3",
                       "train.gamma=0.9", f"train.episode_end={mode}")
