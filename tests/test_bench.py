@@ -28,3 +28,19 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     (row,) = printed["updates"]
     assert row["batch"] == 64 and row["ms_per_update"] > 0
     assert row["samples_per_s"] == pytest.approx(64 * row["updates_per_s"])
+
+
+def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--config",
+         str(REPO / "configs" / "quickstart.toml"), "--set", "train.replay_capacity=2000",
+         "--set", "env.n_envs=16", "--repeats", "1", "--out", str(out)],
+        check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert printed["replay_capacity"] == 2000 and printed["state_bytes"] > 2000 * 68
+    for k in ("checksums_device_s", "checksums_host_numpy_s", "save_blocking_s", "save_wait_s",
+              "restore_verified_s"):
+        assert printed[k] > 0, k

@@ -156,8 +156,9 @@ def _checksum(x: Any, xp: Any) -> Any:
 
 
 @jax.jit
-def _device_checksums(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [_checksum(x, jnp) for x in leaves]
+def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
+    """All leaves' checksums as one uint32 vector (one device→host transfer, not one each)."""
+    return jnp.stack([_checksum(x, jnp) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
 
 
 def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
@@ -165,7 +166,7 @@ def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     if on_device:
-        sums = jax.device_get(_device_checksums([x for _, x in flat]))
+        sums = np.asarray(jax.device_get(_device_checksums([x for _, x in flat]))).tolist()
     else:
         sums = [_checksum(np.asarray(x), np) for _, x in flat]
     return {p: int(v) for p, v in zip(paths, sums, strict=True)}
