@@ -114,3 +114,55 @@ def test_trading_metrics_on_a_hand_built_result():
     assert m["cost_share"] == pytest.approx(40 / 240)
     assert m["actions"]["direction"] == {"short": 0.0, "hold": 0.5, "long": 0.5, "flat": 0.0}
     assert m["actions"]["urgency"]["urgency_2"] == 0.5
+
+
+def test_sharpe_standard_error_and_psr_against_scipy_moments():
+    from scipy import stats
+
+    rng = np.random.default_rng(7)
+    r = rng.standard_t(5, size=700) * 1e-3 + 1e-4
+    ppy = 98_280.0
+    got = M.return_metrics(r, ppy)
+    sr = r.mean() / r.std(ddof=1)
+    g3, g4 = stats.skew(r), stats.kurtosis(r, fisher=False)
+    v = 1 - g3 * sr + (g4 - 1) / 4 * sr**2
+    assert got["sharpe_se"] == pytest.approx(np.sqrt(v / (len(r) - 1)) * np.sqrt(ppy), rel=1e-12)
+    assert got["psr"] == pytest.approx(stats.norm.cdf(sr * np.sqrt(len(r) - 1) / np.sqrt(v)),
+                                       rel=1e-12)
+    # The standard error scales with √P like the Sharpe ratio; the probability does not.
+    other = M.return_metrics(r, 252.0)
+    assert got["sharpe_se"] / other["sharpe_se"] == pytest.approx(np.sqrt(ppy / 252.0))
+    assert got["psr"] == pytest.approx(other["psr"], rel=1e-14)
+    for short in (np.array([0.01, -0.02]), np.zeros(50), np.full(30, 1e-4)):
+        out = M.return_metrics(short, 252.0)
+        assert np.isnan(out["sharpe_se"]) and np.isnan(out["psr"])
+
+
+@pytest.mark.parametrize("draw", ["normal", "skewed"])
+def test_sharpe_standard_error_matches_the_spread_of_sample_sharpes(draw):
+    # Monte Carlo: 3000 series of 400 returns with a known true Sharpe ratio; the formula's
+    # mean standard error must match the observed spread of the sample Sharpe ratios.
+    rng = np.random.default_rng(11)
+    n, reps = 400, 3000
+    if draw == "normal":
+        x = rng.normal(0.1, 1.0, size=(reps, n))
+    else:  # right-skewed, fat-tailed: a centred lognormal plus a drift
+        z = rng.lognormal(0.0, 0.6, size=(reps, n))
+        x = (z - np.exp(0.18)) / np.sqrt((np.exp(0.36) - 1) * np.exp(0.36)) + 0.1
+    per = [M.return_metrics(row * 1e-3, 1.0) for row in x]  # return-sized; SR is scale-free
+    sharpes = np.array([m["sharpe"] for m in per])
+    se = np.array([m["sharpe_se"] for m in per])
+    assert np.std(sharpes, ddof=1) == pytest.approx(np.mean(se), rel=0.05)
+    if draw == "skewed":  # the normal-returns formula would be off here: the correction matters
+        naive = np.sqrt((1 + 0.5 * sharpes**2) / (n - 1))
+        assert abs(np.mean(naive) / np.std(sharpes, ddof=1) - 1) > 0.05
+
+
+def test_psr_is_calibrated_under_no_edge_and_confident_with_one():
+    rng = np.random.default_rng(5)
+    null = np.array([M.return_metrics(rng.standard_t(6, 500) * 1e-3, 252.0)["psr"]
+                     for _ in range(3000)])
+    assert np.mean(null > 0.95) == pytest.approx(0.05, abs=0.015)  # uniform under the null
+    assert np.mean(null < 0.5) == pytest.approx(0.5, abs=0.04)
+    edge = M.return_metrics(rng.normal(0.3, 1.0, 500) * 1e-3, 252.0)
+    assert edge["psr"] > 0.999

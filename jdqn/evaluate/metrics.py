@@ -11,6 +11,14 @@ Return metrics take simple per-period returns ``r`` and an explicit ``periods_pe
 * ``max_drawdown = min_j (V_j − max_{i≤j} V_i) / max_{i≤j} V_i`` with ``V = 100·∏(1 + r)`` and
   ``V_0 = 100`` (≤ 0)
 * ``calmar = annual_return / |max_drawdown|`` (NaN when there is no drawdown)
+* ``sharpe_se``: the standard error of ``sharpe`` for serially uncorrelated but not necessarily
+  normal returns (Mertens 2002): with the per-period ``SR = mean/std``, skewness ``γ₃`` and
+  (non-excess) kurtosis ``γ₄`` of ``r``, ``SE = √((1 − γ₃·SR + (γ₄ − 1)/4·SR²) / (n − 1)) · √P``
+* ``psr``: the probabilistic Sharpe ratio against 0 (Bailey & López de Prado 2012),
+  ``Φ(SR·√(n − 1) / √(1 − γ₃·SR + (γ₄ − 1)/4·SR²))``, the probability that the true Sharpe ratio
+  is above 0 given the sample's length, skew and tails (NaN for n < 3 or zero dispersion).
+  Both assume serially uncorrelated returns; a strategy's bar returns while holding a position
+  are usually positively autocorrelated, which makes the true uncertainty larger.
 
 Annualisation: ``periods_per_year = sessions_per_year × session_hours × 3600 / bar_seconds``
 (or ``EvalConfig.periods_per_year`` when set), divided by the evaluation stride — the predecessor
@@ -19,6 +27,7 @@ annualised strided evaluations as if every bar were evaluated and over-reported 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -26,8 +35,8 @@ import numpy as np
 from jdqn.config import EvalConfig
 from jdqn.env.core import ACTION_LABELS, BRANCH_NAMES
 
-RETURN_KEYS = ("total_return", "annual_return", "annual_volatility", "sharpe", "sortino",
-               "calmar", "max_drawdown", "n_bars", "annualization_periods")
+RETURN_KEYS = ("total_return", "annual_return", "annual_volatility", "sharpe", "sharpe_se",
+               "psr", "sortino", "calmar", "max_drawdown", "n_bars", "annualization_periods")
 
 
 def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> float:
@@ -73,6 +82,28 @@ def sharpe_ratio(r: np.ndarray, ppy: float) -> float:
         return float(np.divide(np.nanmean(r), _std(r)) * np.sqrt(ppy))
 
 
+def sharpe_uncertainty(r: np.ndarray, ppy: float) -> tuple[float, float]:
+    """``(sharpe_se, psr)``: the annualised standard error of the Sharpe ratio and the
+    probabilistic Sharpe ratio P[true SR > 0] (module docstring). NaN for fewer than 3 returns
+    or returns without dispersion."""
+    r = r[~np.isnan(r)]
+    n = len(r)
+    sd = _std(r) if n >= 3 else 0.0
+    if not (sd > 0 and np.isfinite(sd)):
+        return float("nan"), float("nan")
+    dev = r - r.mean()
+    m2 = float(np.mean(dev ** 2))
+    skew = float(np.mean(dev ** 3)) / m2 ** 1.5
+    kurt = float(np.mean(dev ** 4)) / m2 ** 2
+    sr = float(r.mean()) / sd
+    # ≥ (1 − γ₃·SR/2)² ≥ 0, since every distribution has γ₄ ≥ 1 + γ₃².
+    var = 1.0 - skew * sr + 0.25 * (kurt - 1.0) * sr * sr
+    if not var > 0:
+        return float("nan"), float("nan")
+    se = math.sqrt(var / (n - 1))
+    return se * math.sqrt(ppy), 0.5 * math.erfc(-(sr / se) / math.sqrt(2.0))
+
+
 def sortino_ratio(r: np.ndarray, ppy: float) -> float:
     if len(r) < 2:
         return float("nan")
@@ -105,9 +136,11 @@ def calmar_ratio(r: np.ndarray, ppy: float) -> float:
 def return_metrics(returns: Any, ppy: float) -> dict[str, float]:
     """The return-based metrics of :data:`RETURN_KEYS` for simple per-period returns."""
     r = np.asarray(returns, dtype=np.float64)
+    se, psr = sharpe_uncertainty(r, ppy)
     return {
         "total_return": total_return(r), "annual_return": annual_return(r, ppy),
         "annual_volatility": annual_volatility(r, ppy), "sharpe": sharpe_ratio(r, ppy),
+        "sharpe_se": se, "psr": psr,
         "sortino": sortino_ratio(r, ppy), "calmar": calmar_ratio(r, ppy),
         "max_drawdown": max_drawdown(r), "n_bars": len(r),
         "annualization_periods": float(ppy),

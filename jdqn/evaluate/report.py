@@ -18,8 +18,8 @@ import pandas as pd
 from jdqn.evaluate.backtest import BacktestResult
 from jdqn.evaluate.metrics import compute_metrics, drawdown_series
 
-SUMMARY_KEYS = ("sharpe", "sortino", "calmar", "max_drawdown", "total_return", "annual_return",
-                "n_trades", "hit_rate", "turnover", "cost_share")
+SUMMARY_KEYS = ("sharpe", "sharpe_se", "psr", "sortino", "calmar", "max_drawdown",
+                "total_return", "annual_return", "n_trades", "hit_rate", "turnover", "cost_share")
 
 
 def _clean(x: Any) -> Any:
