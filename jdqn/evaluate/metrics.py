@@ -11,14 +11,15 @@ Return metrics take simple per-period returns ``r`` and an explicit ``periods_pe
 * ``max_drawdown = min_j (V_j − max_{i≤j} V_i) / max_{i≤j} V_i`` with ``V = 100·∏(1 + r)`` and
   ``V_0 = 100`` (≤ 0)
 * ``calmar = annual_return / |max_drawdown|`` (NaN when there is no drawdown)
-* ``sharpe_se``: the standard error of ``sharpe`` for serially uncorrelated but not necessarily
-  normal returns (Mertens 2002): with the per-period ``SR = mean/std``, skewness ``γ₃`` and
+* ``sharpe_se``: the standard error of ``sharpe`` for independent but not necessarily normal
+  returns (Mertens 2002): with the per-period ``SR = mean/std``, skewness ``γ₃`` and
   (non-excess) kurtosis ``γ₄`` of ``r``, ``SE = √((1 − γ₃·SR + (γ₄ − 1)/4·SR²) / (n − 1)) · √P``
 * ``psr``: the probabilistic Sharpe ratio against 0 (Bailey & López de Prado 2012),
   ``Φ(SR·√(n − 1) / √(1 − γ₃·SR + (γ₄ − 1)/4·SR²))``, the probability that the true Sharpe ratio
   is above 0 given the sample's length, skew and tails (NaN for n < 3 or zero dispersion).
-  Both assume serially uncorrelated returns; a strategy's bar returns while holding a position
-  are usually positively autocorrelated, which makes the true uncertainty larger.
+  Both assume independent, identically distributed returns. Serial correlation (a strategy
+  riding trending prices) or volatility clustering change the true uncertainty, usually
+  upwards: read them as a floor on it.
 
 Annualisation: ``periods_per_year = sessions_per_year × session_hours × 3600 / bar_seconds``
 (or ``EvalConfig.periods_per_year`` when set), divided by the evaluation stride — the predecessor
