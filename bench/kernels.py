@@ -10,6 +10,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --batch 2048    # smaller; on CPU the Pallas row is skipped
     python bench/kernels.py --kernel c51_loss   # the fused C51 loss terms, forward + backward
     python bench/kernels.py --kernel iqn        # the fused IQN stack (forward), tile sweep
+    python bench/kernels.py --kernel moe        # the MoE mixture kernels, forward + backward
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -163,13 +164,73 @@ def bench_iqn(b: int, reps: int, dtype: str) -> dict:
     return {"batch": b, "quantiles": q, "dtype": dtype, "results": results}
 
 
+def bench_moe(b: int, reps: int, tiles: list[tuple[int, int, int, int]], k: int = 8,
+              e: int = 64, h: int = 256) -> dict:
+    """The MoE mixture (gate softmax + weighted expert output layer), forward + backward (all
+    four gradients): the Pallas kernels (custom VJP) vs the layer's XLA path."""
+    from jdqn.pallas.moe import moe_mixture_pallas, moe_mixture_reference
+
+    ks = jax.random.split(jax.random.key(0), 5)
+    args = (jax.random.normal(ks[0], (b, k)) * 2,
+            jax.nn.relu(jax.random.normal(ks[1], (b, k, e))),
+            jax.random.normal(ks[2], (k, e, h)) / np.sqrt(e),
+            jax.random.normal(ks[3], (k, h)) * 0.1)
+    ct = jax.random.normal(ks[4], (b, h))
+    from jdqn.pallas import moe as moe_lib
+
+    fns = {"xla_reference": moe_mixture_reference}
+    for rows, hc, brows, warps in tiles:
+        def fn(*a, rows=rows, hc=hc, brows=brows, warps=warps):
+            old = moe_lib.ROWS, moe_lib.H_CHUNK, moe_lib.BWD_ROWS, moe_lib.NUM_WARPS
+            (moe_lib.ROWS, moe_lib.H_CHUNK, moe_lib.BWD_ROWS, moe_lib.NUM_WARPS) = (
+                rows, hc, brows, warps)
+            try:  # the tile constants are read when the kernels are traced (under jit)
+                return moe_mixture_pallas(*a, False)
+            finally:
+                moe_lib.ROWS, moe_lib.H_CHUNK, moe_lib.BWD_ROWS, moe_lib.NUM_WARPS = old
+        fns[f"pallas_rows{rows}_h{hc}_bwd{brows}_w{warps}"] = fn
+
+    def value_and_grad(fn):
+        def loss(*a):
+            out, gate = fn(*a)
+            return jnp.sum(out * ct) + 0.1 * jnp.sum(jnp.square(jnp.mean(gate, 0)))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+    ref = jax.jit(value_and_grad(fns["xla_reference"]))(*args)
+    results = {}
+    for name, fn in fns.items():
+        if name.startswith("pallas") and jax.default_backend() != "gpu":
+            results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
+            continue
+        vg = value_and_grad(fn)
+        one = jax.jit(vg)
+        a, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
+        loop = jax.jit(lambda lg, *rest, vg=vg: jax.lax.fori_loop(
+            0, reps, lambda i, acc: acc + sum(jnp.sum(g) for g in vg(lg + 1e-3 * i, *rest)[1]),
+            0.0))
+        jax.block_until_ready(loop(*args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        sec = (time.perf_counter() - t0) / reps
+        rel = [float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a[1], ref[1])]
+        results[name] = {"us_fwd_bwd": round(1e6 * sec, 1),
+                         "loss_rel_diff": float(abs(a[0] - ref[0]) / abs(ref[0])),
+                         "grad_max_rel_diff": dict(zip(("logits", "hidden", "w2", "b2"), rel)),
+                         "bitwise_repeat": bool(a[0] == a2[0] and all(
+                             jnp.array_equal(x, y) for x, y in zip(a[1], a2[1])))}
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn"), default="c51_projection")
+    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe"),
+                    default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
     ap.add_argument("--atoms", type=int, default=51)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--moe-tiles", default="64/64/32/4",
+                    help="MoE kernel tiles to time: rows/h_chunk/bwd_rows/num_warps, comma-separated")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -180,6 +241,12 @@ def main() -> None:
         print(json.dumps({"bench": "kernels", "kernel": "iqn",
                           "float32": bench_iqn(b, args.reps, "float32"),
                           "bfloat16": bench_iqn(b, args.reps, "bfloat16"), **meta}))
+        return
+    if args.kernel == "moe":
+        print(json.dumps({"bench": "kernels", "kernel": "moe",
+                          "results": bench_moe(b, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.moe_tiles.split(",")]), **meta}))
         return
     if args.kernel == "c51_loss":
         print(json.dumps({"bench": "kernels", "kernel": "c51_loss",

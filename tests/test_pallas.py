@@ -126,7 +126,7 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
     assert pallas.use_pallas("auto", "projection")
-    for slower in ("c51_loss", "iqn"):  # measured on the H200: slower in the update than XLA
+    for slower in ("c51_loss", "iqn", "moe"):  # measured on the H200: slower than XLA there
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")
@@ -285,12 +285,15 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
 def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypatch):
     """``impl = "pallas"``: the target network's quantiles (``grad_free=True``) come from the
     fused kernel, the online ones (differentiated) from XLA; both equal the XLA network."""
+    from jdqn.networks import trunk as trunk_module
     from jdqn.pallas import iqn as iqn_module
 
     calls = []
     real = iqn_module.iqn_features_pallas
     monkeypatch.setattr(iqn_module, "iqn_features_pallas",
                         lambda *a: calls.append(a[0].shape) or real(*a))
+    # The trunk's MoE kernel off: the online quantiles are then bitwise the XLA network's.
+    monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: False)
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8)
     obs = jax.random.normal(jax.random.key(1), (9, 24))
@@ -309,3 +312,85 @@ def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypat
     calls.clear()
     xla_net.apply(params, obs, taus, grad_free=True)
     assert calls == []  # impl = "xla" never takes a kernel
+
+
+# (B, K, E, H): the default mixture at a batch that is not a multiple of the tile, odd sizes
+# that pad every axis, one expert of width 1, and more samples than one tile of each kernel.
+MOE_SHAPES = [(70, 8, 64, 256), (5, 3, 20, 33), (1, 1, 1, 1), (130, 5, 16, 48)]
+
+
+def _moe_args(b, k, e, h, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (b, k)) * 2,
+            jax.nn.relu(jax.random.normal(ks[1], (b, k, e))),
+            jax.random.normal(ks[2], (k, e, h)) / np.sqrt(e),
+            jax.random.normal(ks[3], (k, h)) * 0.1)
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_moe_kernel_matches_reference_values_and_gradients(shape):
+    from jdqn.pallas.moe import moe_mixture_pallas, moe_mixture_reference
+
+    b, k, _, h = shape
+    args = _moe_args(*shape)
+    ct_h = jax.random.normal(jax.random.key(7), (b, h))
+    ct_g = jax.random.normal(jax.random.key(8), (b, k))
+
+    def loss(fn):  # cotangents on both outputs: h, and the gate (the load-balance term's path)
+        def f(*a):
+            out, gate = fn(*a)
+            return jnp.sum(out * ct_h) + jnp.sum(jnp.square(gate) * ct_g)
+        return f
+
+    kernel = lambda *a: moe_mixture_pallas(*a, True)
+    with jax.default_matmul_precision("highest"):
+        got, want = kernel(*args), moe_mixture_reference(*args)
+        g_got = jax.grad(loss(kernel), argnums=(0, 1, 2, 3))(*args)
+        g_want = jax.grad(loss(moe_mixture_reference), argnums=(0, 1, 2, 3))(*args)
+    for x, y in zip(got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == jnp.float32
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for name, x, y in zip(("logits", "hidden", "w2", "b2"), g_got, g_want, strict=True):
+        assert x.shape == y.shape, name
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_moe_kernel_under_vmap_over_seeds_and_refusals():
+    from jdqn.pallas.moe import moe_mixture_pallas
+
+    per_seed = [_moe_args(*MOE_SHAPES[1], seed=s) for s in range(3)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_seed)
+    got = jax.vmap(lambda *a: moe_mixture_pallas(*a, True))(*stacked)
+    for s, args in enumerate(per_seed):  # (the interpreter's batched dot may round 1 ulp
+        for x, y in zip(got, moe_mixture_pallas(*args, True), strict=True):  # differently)
+            np.testing.assert_allclose(x[s], y, rtol=1e-6, atol=1e-8)
+    args = _moe_args(*MOE_SHAPES[1])
+    with pytest.raises(TypeError, match="hidden must be float32"):
+        moe_mixture_pallas(args[0], args[1].astype(jnp.bfloat16), *args[2:], True)
+    with pytest.raises(ValueError, match="empty batch"):
+        moe_mixture_pallas(args[0][:0], args[1][:0], *args[2:], True)
+
+
+@pytest.mark.parametrize("impl,dtype,fused", [("pallas", "float32", True),
+                                              ("pallas", "bfloat16", False),
+                                              ("xla", "float32", False)])
+def test_the_network_mixes_experts_in_the_kernel_under_pallas_in_float32(monkeypatch, impl,
+                                                                         dtype, fused):
+    from jdqn.pallas import moe as moe_module
+
+    calls = []
+    real = moe_module.moe_mixture_pallas
+    monkeypatch.setattr(moe_module, "moe_mixture_pallas",
+                        lambda *a: calls.append(a[1].shape) or real(*a))
+    cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=dtype)
+    obs = jax.random.normal(jax.random.key(1), (9, 24))
+    ref_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+    params = init_params(ref_net, jax.random.key(0), 24)
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
+    with jax.default_matmul_precision("highest"):
+        got, want = net.apply(params, obs), ref_net.apply(params, obs)
+    assert calls == ([(9, 3, 8)] if fused else [])
+    np.testing.assert_allclose(got.gate, want.gate, rtol=1e-5, atol=1e-7)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

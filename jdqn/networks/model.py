@@ -71,7 +71,7 @@ class BranchingQNetwork(nn.Module):
                  grad_free: bool = False) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
-                      c.matmul_dtype, name="trunk")(obs)
+                      c.matmul_dtype, c.impl, name="trunk")(obs)
         logits = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
                                       c.v_max, tuple(self.flow_idx), c.matmul_dtype,
                                       name="c51")(trunk.h, obs)

@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jdqn.pallas import use_pallas
+
 Array = jax.Array
 
 
@@ -198,6 +200,7 @@ class MixtureOfExperts(nn.Module):
     hidden: int
     gate_hidden: int
     matmul_dtype: str = "float32"
+    impl: str = "xla"  # ModelConfig.impl: "pallas" runs the mixture as jdqn.pallas.moe's kernels
 
     @nn.compact
     def __call__(self, x: Array, obs: Array) -> MoEOutput:
@@ -212,6 +215,12 @@ class MixtureOfExperts(nn.Module):
 
         md, act = self.matmul_dtype, act_dtype(self.matmul_dtype, x)
         hidden = nn.relu(add_bias(_einsum("bh,khe->bke", x, w1, md, act), b1))  # [B, K, E]
+        if md == "float32" and x.dtype == jnp.float32 and use_pallas(self.impl, "moe"):
+            from jdqn.pallas.moe import moe_mixture_pallas  # the same function, fused
+
+            h, gate = moe_mixture_pallas(gate_logits, hidden, w2, b2,
+                                         jax.default_backend() != "gpu")
+            return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
         weighted = mul_f32(gate[..., None], hidden, act)  # d gate sums over E in float32
         bias = gate @ b2.astype(gate.dtype)  # Σ_k g_k b2_k [B, H], in the gate's dtype
         h = _einsum("bke,keh->bh", weighted, w2, md, act)
@@ -252,6 +261,7 @@ class Trunk(nn.Module):
     expert_hidden: int
     gate_hidden: int
     matmul_dtype: str = "float32"
+    impl: str = "xla"
 
     @nn.compact
     def __call__(self, obs: Array) -> TrunkOutput:
@@ -260,5 +270,5 @@ class Trunk(nn.Module):
         for i in range(self.n_grn_blocks):
             h = GRNBlock(self.width, self.matmul_dtype, name=f"grn_{i}")(h)
         moe = MixtureOfExperts(self.n_experts, self.expert_hidden, self.gate_hidden,
-                               self.matmul_dtype, name="moe")(h, obs)
+                               self.matmul_dtype, self.impl, name="moe")(h, obs)
         return TrunkOutput(h=moe.h, gate=moe.gate, selection=selection)
