@@ -250,7 +250,7 @@ def test_a_checkpoint_without_checksums_restores_with_a_warning(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bool", "uint8", "int16", "bfloat16", "float16", "float32",
-                                   "int32", "uint32", "float64", "int64"])
+                                   "int32", "uint32", "float64", "int64", "complex64"])
 def test_checksums_agree_on_device_and_host_and_catch_every_single_bit_flip(dtype):
     from helpers import x64
 
@@ -272,8 +272,45 @@ def test_checksums_agree_on_device_and_host_and_catch_every_single_bit_flip(dtyp
                 y[pos] ^= 1 << bit
                 flipped = np.frombuffer(bytes(y), x.dtype).reshape(x.shape)
                 assert ck_lib.leaf_checksums({"x": flipped}, on_device=False) != host
-        # Two words swapped is damage too (the multiplier depends on the position).
+        # Two words swapped is damage too (the mixing depends on the position).
         if x.size > 1 and x.reshape(-1)[0] != x.reshape(-1)[1]:
             sw = x.copy().reshape(-1)
             sw[[0, 1]] = sw[[1, 0]]
             assert ck_lib.leaf_checksums({"x": sw.reshape(x.shape)}, on_device=False) != host
+
+
+def test_checksums_catch_structured_damage_a_weighted_sum_misses():
+    # Σ (2i + 1)·w_i (the first version) cannot see two flips of bit 31 (two float32 sign
+    # flips): 2³¹·(2i + 1) + 2³¹·(2j + 1) ≡ 0 mod 2³². Nor the same low bit flipped in words
+    # i, j with i + j + 1 ≡ 0 mod 2^(31 − bit).
+    from jdqn.train import checkpoint as ck_lib
+
+    x = np.random.default_rng(1).normal(size=4096).astype(np.float32)
+    weighted = lambda v: int(np.sum(v * (2 * np.arange(v.size, dtype=np.uint32) + 1),
+                                    dtype=np.uint32))
+    for i, j, bit in [(3, 700, 31), (0, 2047, 20), (5, 10, 0)]:
+        words = x.view(np.uint32).copy()
+        words[[i, j]] &= ~np.uint32(1 << bit)  # both bits 0 in the intact copy ...
+        hit = words.copy()
+        hit[[i, j]] |= np.uint32(1 << bit)  # ... and both flipped to 1 by the damage
+        if bit:  # the weighted sum really is blind to these two
+            assert weighted(hit) == weighted(words)
+        assert (ck_lib.leaf_checksums({"x": hit.view(np.float32)}, on_device=False)
+                != ck_lib.leaf_checksums({"x": words.view(np.float32)}, on_device=False))
+
+
+def test_loop_state_damage_and_unreadable_dtypes_are_refused(tmp_path):
+    import json
+
+    d = tmp_path / "ck"
+    with Checkpointer(d) as ck:
+        ck.save(5, _state(), {"val_sharpe": 1.0}, {"fold": 2, "epoch": 7, "best": 1.25})
+    f = d / "5" / "extra" / "metadata"
+    extra = json.loads(f.read_text())
+    assert extra["fold"] == 2
+    f.write_text(f.read_text().replace('"fold": 2', '"fold": 3'))  # still valid JSON
+    with Checkpointer(d) as ck, pytest.raises(CheckpointError, match="loop state .extra."):
+        ck.restore(5, _state())
+    with Checkpointer(tmp_path / "ck4") as ck, pytest.raises(CheckpointError,
+                                                             match=r"\['q'\] \(int4\)"):
+        ck.save(1, {"q": jnp.zeros(4, jnp.int4)}, {"val_sharpe": 0.0})

@@ -14,12 +14,16 @@ Each checkpoint step ``<directory>/<step>/`` holds three items:
 **Content checksums.** Orbax restores a checkpoint whose array bytes were altered after writing
 (a flipped bit on disk, a damaged copy) without complaint, and the run would resume from wrong
 numbers. Each leaf's stored bytes, as little-endian 32-bit words ``w_i`` (1- and 2-byte elements
-widened, 8-byte ones split into two words), get ``Σ_i (2i + 1)·w_i mod 2³²``. The sum is taken
-on the device when saving (exact integer arithmetic, so any reduction order gives the same
-number: it is deterministic on the GPU and across data-parallel shards) and in NumPy on the
-restored bytes; a mismatch refuses the checkpoint, naming the leaves. Every odd multiplier is
-invertible mod 2³², so any change confined to one word — every single-bit flip — is always
-caught; wider damage escapes with probability 2⁻³².
+widened, 8-byte ones split into two words, complex ones as their two parts), get two 32-bit
+lanes ``Σ_i fmix32(w_i ⊕ fmix32(a·i + c)) mod 2³²`` (``fmix32`` MurmurHash3's finaliser, one
+``(a, c)`` per lane), stored as one 64-bit number. The sums are taken on the device when saving
+(exact integer arithmetic, so any reduction order gives the same number: deterministic on the
+GPU and across data-parallel shards) and in NumPy on the restored bytes; a mismatch refuses the
+checkpoint, naming the leaves. ``fmix32`` is a bijection, so any change confined to one word —
+every single-bit flip — is always caught; other damage escapes only if both lanes' sums collide
+by chance, about 2⁻⁶⁴ (a plain weighted sum ``Σ (2i + 1)·w_i``, the first version, missed
+structured damage such as two sign flips). The ``extra`` item (the loop state) is covered by a
+SHA-256 of its JSON, also stored with the layout.
 
 and orbax's metrics file (``metrics``, e.g. ``{"val_sharpe": 1.3}``) used for retention.
 
@@ -132,13 +136,22 @@ def _layout_diff(saved: dict[str, Any], want: dict[str, Any], limit: int = 6) ->
 # ---------------------------------------------------------------------------------------------
 
 
+def _readable(dt: np.dtype) -> bool:
+    """Whether an array of ``dt`` can be read as whole little-endian words (not e.g. int4)."""
+    return dt.kind == "c" or (dt.itemsize in (1, 2, 4, 8)
+                              and (dt.kind in "biuf" or "float" in dt.name))
+
+
 def _words(x: Any, xp: Any) -> Any:
     """The uint32 words of an array's little-endian bytes, flat (``xp`` = numpy or jax.numpy;
     the two give the same words)."""
     dt = np.dtype(x.dtype)
     if dt == np.bool_:
         return x.reshape(-1).astype(xp.uint8).astype(xp.uint32)
-    if dt.itemsize not in (1, 2, 4, 8):
+    if dt.kind == "c":  # complex: real and imaginary parts, interleaved as stored
+        part = xp.stack([xp.real(x), xp.imag(x)], axis=-1)
+        return _words(part, xp)
+    if not _readable(dt):
         raise TypeError(f"cannot checksum dtype {dt}")
     if xp is np:
         w = np.ascontiguousarray(x).reshape(-1).view(f"<u{dt.itemsize}")
@@ -149,27 +162,54 @@ def _words(x: Any, xp: Any) -> Any:
     return w.astype(xp.uint32)
 
 
-def _checksum(x: Any, xp: Any) -> Any:
+def _fmix32(h: Any, xp: Any) -> Any:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 that mixes every input bit into
+    every output bit (wrapping uint32 arithmetic, the same in NumPy and XLA)."""
+    h = h ^ (h >> 16)
+    h = h * xp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * xp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+_LANES = ((0x9E3779B9, 1), (0x7F4A7C15, 0x632BE5AB))  # (index multiplier, offset) per lane
+
+
+def _checksum(x: Any, xp: Any) -> tuple[Any, Any]:
+    """Two 32-bit lanes ``Σ_i fmix32(w_i ⊕ fmix32(a·i + c)) mod 2³²`` over the words."""
     w = _words(x, xp)
-    mult = xp.arange(w.shape[0], dtype=xp.uint32) * xp.uint32(2) + xp.uint32(1)
-    return xp.sum(w * mult, dtype=xp.uint32)
+    i = xp.arange(w.shape[0], dtype=xp.uint32)
+    return tuple(xp.sum(_fmix32(w ^ _fmix32(i * xp.uint32(a) + xp.uint32(c), xp), xp),
+                        dtype=xp.uint32) for a, c in _LANES)
 
 
 @jax.jit
 def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
-    """All leaves' checksums as one uint32 vector (one device→host transfer, not one each)."""
-    return jnp.stack([_checksum(x, jnp) for x in leaves]) if leaves else jnp.zeros(0, jnp.uint32)
+    """All leaves' checksum lanes as one uint32 ``[n, 2]`` array (one device→host transfer)."""
+    if not leaves:
+        return jnp.zeros((0, 2), jnp.uint32)
+    return jnp.stack([jnp.stack(_checksum(x, jnp)) for x in leaves])
 
 
 def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
-    """``{leaf path: checksum}`` of a pytree of arrays (typed keys already as key data)."""
+    """``{leaf path: 64-bit checksum}`` of a pytree of arrays (typed keys already as key data).
+    Raises TypeError for a dtype it cannot read as words (e.g. int4)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    bad = [f"{p} ({x.dtype})" for p, (_, x) in zip(paths, flat, strict=True)
+           if not _readable(np.dtype(x.dtype))]
+    if bad:
+        raise TypeError(f"cannot checksum {', '.join(bad[:4])}: not a whole-byte numeric dtype")
     if on_device:
-        sums = np.asarray(jax.device_get(_device_checksums([x for _, x in flat]))).tolist()
+        lanes = np.asarray(jax.device_get(_device_checksums([x for _, x in flat]))).tolist()
     else:
-        sums = [_checksum(np.asarray(x), np) for _, x in flat]
-    return {p: int(v) for p, v in zip(paths, sums, strict=True)}
+        lanes = [[int(v) for v in _checksum(np.asarray(x), np)] for _, x in flat]
+    return {p: int(lo) | (int(hi) << 32) for p, (lo, hi) in zip(paths, lanes, strict=True)}
+
+
+def extra_digest(extra: dict[str, Any]) -> str:
+    """SHA-256 of the ``extra`` item's JSON (sorted keys): the loop state is checked too."""
+    return hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
 
 
 def _encode_keys(state: PyTree) -> PyTree:
@@ -340,6 +380,7 @@ class Checkpointer:
         layout = layout_fingerprint(state, self.schema)
         layout["key_impls"] = _key_impls(state)
         encoded = _encode_keys(state)
+        layout["extra_sha256"] = extra_digest(extra)
         try:
             layout["checksums"] = leaf_checksums(encoded)
         except TypeError as e:
@@ -416,6 +457,12 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} is corrupt: {what} (its files changed "
                     f"after they were written); resume from another checkpoint or start anew")
+            digest = saved.get("extra_sha256")
+            if digest is not None and digest != extra_digest(dict(out["extra"] or {})):
+                raise CheckpointError(
+                    f"checkpoint {self._step_dir(step)} is corrupt: its loop state (extra) "
+                    f"does not match the digest stored with it (its files changed after they "
+                    f"were written); resume from another checkpoint or start anew")
         else:
             warnings.warn(f"checkpoint {self._step_dir(step)} has no content checksums "
                           f"(written by an older jdqn): its arrays cannot be verified",
