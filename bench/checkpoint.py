@@ -2,7 +2,9 @@
 content checksums alone, and restore (read + layout check + checksum verification).
 
 Prints one JSON object. The state is the trainer's own fold state (``jdqn.train.job``) with its
-replay at full capacity, on the default device (the first of ``parallel.n_devices`` when data
+replay's storage and priorities at full capacity and filled with random bits (a fresh replay is
+all zeros, which orbax's compression shrinks to nothing; a trained one does not compress), on
+the default device (the first of ``parallel.n_devices`` when data
 parallel: sharded states are checksummed the same way, this bench keeps to one device).
 
     python bench/checkpoint.py                          # configs/gpu.toml sizes
@@ -28,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdqn.config import load_config
@@ -47,6 +50,28 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _randomised(replay):
+    """The replay with every storage and priority array filled with random bits (slot indices
+    and bar indices kept in range is not needed: the bench only saves and restores them)."""
+    leaves, treedef = jax.tree.flatten(replay)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    out = []
+    for k, x in zip(keys, leaves, strict=True):
+        if x.ndim >= 1 and x.size >= 1024:  # storage and priorities, not counters
+            bits = jax.random.bits(k, x.shape, jnp.uint8 if x.dtype == jnp.bool_ else
+                                   jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+            x = (bits & 1).astype(bool) if x.dtype == jnp.bool_ else \
+                jax.lax.bitcast_convert_type(bits, x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating):  # finite values, as a real replay holds
+                x = jnp.where(jnp.isfinite(x), x, 0)
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "gpu.toml"))
@@ -62,6 +87,7 @@ def main() -> None:
     p = job_lib.prepare(cfg)
     env_params = job_lib.fold_env_params(cfg, p, 0)
     state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    state = state.replace(replay=_randomised(state.replay))
     jax.block_until_ready(state)
     n_bytes = sum(int(np.dtype(x.dtype).itemsize) * int(np.prod(x.shape))
                   for x in jax.tree.leaves(ckpt_lib._encode_keys(state)))
@@ -93,8 +119,9 @@ def main() -> None:
                     blocking.append(t1 - t)
                     waits.append(t2 - t1)
                     restores.append(t3 - t2)
+            disk = _disk_bytes(root / "ck" / str(a.repeats))
         res.update(save_blocking_s=min(blocking), save_wait_s=min(waits),
-                   restore_verified_s=min(restores))
+                   restore_verified_s=min(restores), checkpoint_disk_bytes=disk)
     finally:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)

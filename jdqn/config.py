@@ -469,14 +469,22 @@ def _validate(obj: Any, prefix: str) -> None:
         if obj.parallel.n_devices > 1:
             check_divides(obj, obj.parallel.n_devices,
                           f"parallel.n_devices = {obj.parallel.n_devices}")
-        most = t.epochs_per_fold * t.iters_per_epoch * t.collect_steps * obj.env.n_envs
-        if t.min_replay > most:  # updates wait for min_replay transitions in the replay
+        # Updates wait for min_replay sampleable transitions. Per env, fold 0 collects `steps`
+        # steps; the last n − 1 are still in the n-step carry when it ends, and under
+        # episode_end = "truncate" every episode's forced-liquidation step is never sampled.
+        steps = t.epochs_per_fold * t.iters_per_epoch * t.collect_steps
+        forced = steps // obj.env.episode_length if t.episode_end == "truncate" else 0
+        most = max(0, steps - (t.n_step - 1) - forced) * obj.env.n_envs
+        if t.min_replay > most:
             raise ConfigError(
                 f"train.min_replay = {t.min_replay} can never be reached in fold 0: it collects "
-                f"at most train.epochs_per_fold × iters_per_epoch × collect_steps × env.n_envs "
-                f"= {t.epochs_per_fold} × {t.iters_per_epoch} × {t.collect_steps} × "
-                f"{obj.env.n_envs} = {most} transitions, so it would run no gradient update; "
-                "lower min_replay or collect more")
+                f"train.epochs_per_fold × iters_per_epoch × collect_steps = "
+                f"{t.epochs_per_fold} × {t.iters_per_epoch} × {t.collect_steps} = {steps} steps "
+                f"per env, of which n_step − 1 = {t.n_step - 1} are still in the n-step window "
+                f"at the end and {forced} are forced liquidations (train.episode_end = "
+                f"{t.episode_end!r}, env.episode_length = {obj.env.episode_length}), × "
+                f"env.n_envs = {obj.env.n_envs}: at most {most} sampleable transitions, so it "
+                "would run no gradient update; lower min_replay or collect more")
     if isinstance(obj, EvalConfig):
         allowed = {"flat", "buy_and_hold", "momentum", "random"}
         for b in obj.baselines:

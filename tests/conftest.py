@@ -17,13 +17,33 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 # The tests' programs compile for far longer than they run (the tiny config's epoch: 12 s to
-# compile, 0.09 s to run on one core), so the test processes and every subprocess they start
-# (which inherit the environment) compile with XLA's CPU backend at LLVM -O0 and without the new
-# fusion emitters: 5.0 s for that epoch, which then runs in 0.14 s. Same programs, same
-# semantics; JDQN_TEST_FAST_COMPILE=0 tests with XLA's default pipeline.
+# compile, 0.09 s to run on one core), so on a CPU-only JAX the test processes and every
+# subprocess they start (which inherit the environment) compile with XLA's CPU backend at LLVM
+# -O0 and without the new fusion emitters: 5.0 s for that epoch, which then runs in 0.14 s.
+# Same programs and semantics, not the same bits (rounding may differ from the default
+# pipeline's): the bitwise tests compare runs under the same flags, and
+# test_default_compile_pipeline_is_deterministic_too checks the default one. Flags already in
+# XLA_FLAGS (the user's, or the xdist controller's) are kept, not repeated;
+# JDQN_TEST_FAST_COMPILE=0 tests with XLA's default pipeline throughout.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-if os.environ.get("JDQN_TEST_FAST_COMPILE", "1") != "0":
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE]).strip()
+
+
+def _cuda_jax() -> bool:
+    """A CUDA plugin is installed and not switched off (the -O0 flag would reach the GPU)."""
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+if os.environ.get("JDQN_TEST_FAST_COMPILE", "1") != "0" and not _cuda_jax():
+    _have = os.environ.get("XLA_FLAGS", "").split()
+    _names = {f.split("=")[0] for f in _have}
+    _add = [f for f in FAST_COMPILE if f.split("=")[0] not in _names]
+    if _add:
+        os.environ["XLA_FLAGS"] = " ".join(_have + _add)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

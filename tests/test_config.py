@@ -116,11 +116,19 @@ def test_data_file_with_synthetic_source_is_refused_not_ignored():
 
 
 def test_min_replay_that_fold_0_cannot_reach_is_refused():
-    small = {"epochs_per_fold": 2, "iters_per_epoch": 5, "collect_steps": 4}
-    with pytest.raises(ConfigError, match=r"train.min_replay = 321 can never be reached in "
-                                          r"fold 0.* = 2 × 5 × 4 × 8 = 320 transitions"):
-        config_from_dict({"train": {**small, "min_replay": 321}, "env": {"n_envs": 8}})
-    config_from_dict({"train": {**small, "min_replay": 320}, "env": {"n_envs": 8}})
+    # 2 × 5 × 4 = 40 steps per env: 2 still in the n-step window (n = 3), 40 // 8 = 5 forced
+    # liquidations (8-step episodes) → 33 sampleable per env, × 8 envs = 264.
+    small = {"epochs_per_fold": 2, "iters_per_epoch": 5, "collect_steps": 4, "n_step": 3}
+    env = {"n_envs": 8, "episode_length": 8}
+    with pytest.raises(ConfigError, match=r"train.min_replay = 265 can never be reached in "
+                                          r"fold 0.* = 40 steps .* 5 are forced .* at most 264 "):
+        config_from_dict({"train": {**small, "min_replay": 265}, "env": env})
+    config_from_dict({"train": {**small, "min_replay": 264}, "env": env})
+    # Under "terminal" the forced steps are transitions: 38 × 8 = 304.
+    term = {**small, "episode_end": "terminal"}
+    config_from_dict({"train": {**term, "min_replay": 304}, "env": env})
+    with pytest.raises(ConfigError, match=r"at most 304 "):
+        config_from_dict({"train": {**term, "min_replay": 305}, "env": env})
 
 
 def test_test_helper_config_is_valid():

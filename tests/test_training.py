@@ -516,3 +516,23 @@ def test_an_undefined_validation_sharpe_ranks_lowest():
     assert job_lib._rank(float("nan")) == -float("inf")
     assert job_lib._rank(None) == -float("inf")
     assert job_lib._rank(0.5) > job_lib._rank(float("nan"))
+
+
+@pytest.mark.slow
+def test_default_compile_pipeline_is_deterministic_too(tmp_path):
+    # The suite compiles at LLVM -O0 (conftest.py); the CLI runs XLA's default pipeline. Two
+    # quickstart-size epochs, twice in one process, under the default pipeline: bitwise equal.
+    from conftest import FAST_COMPILE
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JDQN_TEST_FAST_COMPILE": "0",
+           "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "determinism.py"), "--config",
+         str(REPO / "configs" / "quickstart.toml"), "--epochs", "2",
+         "--set", "train.iters_per_epoch=10", "--set", "data.cache_dir=''"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["bitwise_identical"] and not res["differing_leaves"], res
+    assert not any(f in res["xla_flags"] for f in FAST_COMPILE), res["xla_flags"]

@@ -18,8 +18,8 @@ widened, 8-byte ones split into two words, complex ones as their two parts), get
 lanes ``Σ_i fmix32(w_i ⊕ fmix32(a·i + c)) mod 2³²`` (``fmix32`` MurmurHash3's finaliser, one
 ``(a, c)`` per lane), stored as one 64-bit number. The sums are taken on the device when saving
 (exact integer arithmetic, so any reduction order gives the same number: deterministic on the
-GPU and across data-parallel shards) and in NumPy on the restored bytes; a mismatch refuses the
-checkpoint, naming the leaves. ``fmix32`` is a bijection, so any change confined to one word —
+GPU and across data-parallel shards), and again on the restored arrays; a mismatch refuses the
+checkpoint, naming the leaves. (The NumPy version, the same numbers, is the tests' oracle.) ``fmix32`` is a bijection, so any change confined to one word —
 every single-bit flip — is always caught; other damage escapes only if both lanes' sums collide
 by chance, about 2⁻⁶⁴ (a plain weighted sum ``Σ (2i + 1)·w_i``, the first version, missed
 structured damage such as two sign flips). The ``extra`` item (the loop state) is covered by a
@@ -447,7 +447,7 @@ class Checkpointer:
                                   f"incomplete): {_first_line(e)}") from e
         sums = saved.get("checksums")
         if isinstance(sums, dict):
-            got = leaf_checksums(out["state"], on_device=False)
+            got = leaf_checksums(out["state"])  # on the device the arrays came back to
             bad = [p for p in got if p in sums and int(sums[p]) != got[p]][:4]
             missing = [p for p in got if p not in sums][:4]
             if bad or missing:
