@@ -176,7 +176,8 @@ def to_transitions(learner: Learner, state: TrainState, chunk: StepRecord
 
 def insert(state: TrainState, items: Transition, valid: jax.Array) -> TrainState:
     """Add the transitions; invalid ones (an incomplete window at a fold start, a forced
-    liquidation under ``episode_end = "truncate"``) get priority 0 so they are never sampled, and are overwritten in ring order like any other slot."""
+    liquidation under ``episode_end = "truncate"``) get priority 0 so they are never sampled,
+    and are overwritten in ring order like any other slot."""
     cap = state.replay.capacity
     n = valid.shape[0]
     pos0 = state.replay.position
