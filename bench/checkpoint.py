@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import best_of
 
 from jdqn.config import load_config
 from jdqn.train import checkpoint as ckpt_lib
@@ -39,15 +40,6 @@ from jdqn.train import job as job_lib
 from jdqn.train.state import seed_keys
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _randomised(replay):
@@ -99,9 +91,9 @@ def main() -> None:
                  "replay_capacity": cfg.train.replay_capacity}
     try:
         ckpt_lib.leaf_checksums(encoded)  # compile
-        res["checksums_device_s"] = _best(lambda: ckpt_lib.leaf_checksums(encoded), a.repeats)
+        res["checksums_device_s"] = best_of(lambda: ckpt_lib.leaf_checksums(encoded), a.repeats)
         host = jax.device_get(encoded)
-        res["checksums_host_numpy_s"] = _best(
+        res["checksums_host_numpy_s"] = best_of(
             lambda: ckpt_lib.leaf_checksums(host, on_device=False), a.repeats)
         assert ckpt_lib.leaf_checksums(host, on_device=False) == ckpt_lib.leaf_checksums(encoded)
 

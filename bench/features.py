@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from timing import best_of
 
 from jdqn.config import ColumnMap, DataConfig, FeaturesConfig, SyntheticConfig
 from jdqn.data import build_features, generate_synthetic, resolve_path, ticks_to_bars
@@ -41,15 +42,6 @@ def _cpu() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -74,8 +66,8 @@ def main() -> None:
     price, size = np.tile(price0, reps), np.tile(size0, reps)
     n_ticks = ts.shape[0]
     bars = ticks_to_bars(ts, price, size, bar_ns=60 * NS)
-    t_time = _best(lambda: ticks_to_bars(ts, price, size, bar_ns=60 * NS), args.repeat)
-    t_vol = _best(lambda: ticks_to_bars(ts, price, size, bar_type="volume", threshold=1000.0),
+    t_time = best_of(lambda: ticks_to_bars(ts, price, size, bar_ns=60 * NS), args.repeat)
+    t_vol = best_of(lambda: ticks_to_bars(ts, price, size, bar_type="volume", threshold=1000.0),
                   args.repeat)
 
     t = time.perf_counter()
@@ -83,7 +75,7 @@ def main() -> None:
     t_syn = time.perf_counter() - t
     fcfg = FeaturesConfig()
     feats = build_features(syn, fcfg)
-    t_feat = _best(lambda: build_features(syn, fcfg), args.repeat)
+    t_feat = best_of(lambda: build_features(syn, fcfg), args.repeat)
 
     print(json.dumps({
         "ticks_source": src.name,

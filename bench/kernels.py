@@ -23,7 +23,6 @@ import datetime as dt
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import seconds_per_call
 
 from jdqn.losses.batch import project_uniform
 from jdqn.pallas.projection import project_uniform_pallas
@@ -108,12 +108,7 @@ def bench_c51_loss(b: int, d: int, z: int, reps: int) -> dict:
         vg = value_and_grad(fn)
         one = jax.jit(vg)
         a, a2 = (jax.block_until_ready(one(taken, nxt, tz)) for _ in range(2))
-        loop = jax.jit(lambda t, n, x, vg=vg: jax.lax.fori_loop(
-            0, reps, lambda i, acc: acc + jnp.sum(vg(t + 1e-3 * i, n, x)[1]), 0.0))
-        jax.block_until_ready(loop(taken, nxt, tz))
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(taken, nxt, tz))
-        sec = (time.perf_counter() - t0) / reps
+        sec = seconds_per_call(vg, (taken, nxt, tz), reps)
         results[name] = {"us_fwd_bwd": round(1e6 * sec, 1),
                          "loss_rel_diff": float(abs(a[0] - ref[0]) / abs(ref[0])),
                          "grad_max_abs_diff": float(jnp.max(jnp.abs(a[1] - ref[1]))),
@@ -148,13 +143,7 @@ def bench_iqn(b: int, reps: int, dtype: str) -> dict:
         try:
             one = jax.jit(fn)
             a1, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
-            loop = jax.jit(lambda x, *rest, fn=fn: jax.lax.fori_loop(
-                0, reps, lambda i, acc: acc + jnp.sum(fn((x + 1e-3 * i).astype(x.dtype), *rest)),
-                0.0))
-            jax.block_until_ready(loop(*args))
-            t0 = time.perf_counter()
-            jax.block_until_ready(loop(*args))
-            results[name] = {"us": round(1e6 * (time.perf_counter() - t0) / reps, 1),
+            results[name] = {"us": round(1e6 * seconds_per_call(fn, args, reps), 1),
                              "max_abs_diff": float(jnp.max(jnp.abs(a1 - ref))),
                              "max_abs_ref": float(jnp.max(jnp.abs(ref))),
                              "bitwise_repeat": bool(jnp.array_equal(a1, a2))}
@@ -205,13 +194,7 @@ def bench_moe(b: int, reps: int, tiles: list[tuple[int, int, int, int]], k: int 
         vg = value_and_grad(fn)
         one = jax.jit(vg)
         a, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
-        loop = jax.jit(lambda lg, *rest, vg=vg: jax.lax.fori_loop(
-            0, reps, lambda i, acc: acc + sum(jnp.sum(g) for g in vg(lg + 1e-3 * i, *rest)[1]),
-            0.0))
-        jax.block_until_ready(loop(*args))
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        sec = (time.perf_counter() - t0) / reps
+        sec = seconds_per_call(vg, args, reps)
         rel = [float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a[1], ref[1])]
         results[name] = {"us_fwd_bwd": round(1e6 * sec, 1),
                          "loss_rel_diff": float(abs(a[0] - ref[0]) / abs(ref[0])),
@@ -264,12 +247,7 @@ def main() -> None:
             continue
         f = jax.jit(lambda t, p, fn=fn: fn(t, p, v_min, v_max))
         a, a2 = (np.asarray(jax.block_until_ready(f(tz, probs))) for _ in range(2))
-        loop = jax.jit(lambda t, p, fn=fn: jax.lax.fori_loop(
-            0, args.reps, lambda i, acc: acc + jnp.sum(fn(t + 1e-3 * i, p, v_min, v_max)), 0.0))
-        jax.block_until_ready(loop(tz, probs))
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(tz, probs))
-        sec = (time.perf_counter() - t0) / args.reps
+        sec = seconds_per_call(lambda t, p, fn=fn: fn(t, p, v_min, v_max), (tz, probs), args.reps)
         results[name] = {"us": round(1e6 * sec, 1),
                          "max_abs_diff_vs_reference": float(np.max(np.abs(a - ref))),
                          "bitwise_repeat": bool(np.array_equal(a, a2))}

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from timing import best_of
 
 import jdqn.pallas
 from jdqn.config import apply_overrides, config_from_dict, load_config
@@ -46,12 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _time(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_of(lambda: jax.block_until_ready(fn()), repeats)
 
 
 def build(cfg):

@@ -1,0 +1,38 @@
+"""Timing helpers shared by the benchmark scripts (each imports this module from its folder,
+which Python puts first on ``sys.path`` when the script runs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """The shortest wall time of ``fn()`` over ``repeats`` calls, in seconds (``fn`` blocks on
+    any device work it starts)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def seconds_per_call(fn: Callable[..., Any], args: tuple, reps: int) -> float:
+    """Seconds per ``fn(*args)`` run ``reps`` times in one jitted ``lax.fori_loop``, after a
+    warm-up call that compiles it. The first argument is perturbed per iteration (so nothing is
+    hoisted out of the loop) and every output leaf is consumed."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(i, acc, x, rest):
+        out = fn((x + 1e-3 * i).astype(x.dtype), *rest)
+        return acc + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out))
+
+    loop = jax.jit(lambda x, *rest: jax.lax.fori_loop(
+        0, reps, lambda i, acc: body(i, acc, x, rest), jnp.float32(0.0)))
+    jax.block_until_ready(loop(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(*args))
+    return (time.perf_counter() - t0) / reps
