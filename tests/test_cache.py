@@ -157,3 +157,32 @@ def test_inconsistent_cache_with_matching_key_is_rebuilt_with_a_warning(tmp_path
     assert rebuilt[2] is False
     _same(fresh, rebuilt)
     assert load_or_build(cfg)[2] is True
+
+
+def test_an_edit_in_the_middle_that_keeps_size_and_mtime_is_stale(tmp_path: Path) -> None:
+    """The key hashes the whole file: a same-size edit far from both ends, with the mtime put
+    back, is still seen (the earlier key read only the first and last MiB and the mtime)."""
+    raw = tk.random_ticks(np.random.default_rng(1), 120_000, 3600.0)
+    path = tk.write_ticks_csv(raw, tmp_path / "t.csv")
+    assert path.stat().st_size > 3 * (1 << 20)
+    cfg = _cfg(tmp_path, source="ticks", path=str(path), bar_size="1s")
+    first = load_or_build(cfg)
+    assert first[2] is False and load_or_build(cfg)[2] is True
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    nl = data.index(b"\n", mid) + 1  # the start of a line in the middle of the file
+    row = data[nl:data.index(b"\n", nl)].decode()
+    fields = row.split(",")
+    head, frac = fields[1].split(".")  # the price: one point up, same width, on the tick grid
+    fields[1] = head[:-1] + str((int(head[-1]) + 1) % 10) + "." + frac
+    edited = ",".join(fields).encode()
+    assert len(edited) == len(row)
+    data[nl:nl + len(edited)] = edited
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    out = load_or_build(cfg)
+    assert out[2] is False  # rebuilt from the edited file
+    assert not np.array_equal(out[0].close, first[0].close) or not np.array_equal(
+        out[0].high, first[0].high) or not np.array_equal(out[0].low, first[0].low)
