@@ -247,16 +247,19 @@ def randomness_check() -> dict:
     res["weights_shard_max"] = [float(w[:64].max()), float(w[64:].max())]
 
     # Reward normaliser: gathered statistics vs one device on the global rewards (2 seeds).
+    # With a mask (episode_end = "truncate": forced liquidations out), the gathered mask.
     rewards = jax.random.normal(jax.random.key(2), (2, 10000)) * 0.01
+    mask = jax.random.uniform(jax.random.key(3), (2, 10000)) < 0.9
     for mode in ("robust", "popart"):
         ns = init_norm_state(cfg.env).replace(mode=mode)
         ns = jax.tree.map(lambda x: jnp.stack([x, x]), ns)
-        want = jax.jit(jax.vmap(normalise_reward))(ns, rewards)  # (jitted, as the trainer)
-        got = jax.jit(jax.shard_map(jax.vmap(lambda n, r: epoch_lib._normalise(n, r, "data")),
-                                    mesh=mesh, in_specs=(P(), P(None, "data")),
-                                    out_specs=(P(), P(None, "data")), check_vma=False))(
-            ns, rewards)
-        res[f"normaliser_{mode}_bitwise"] = _equal(got, want)
+        for tag, m in (("", None), ("_masked", mask)):
+            want = jax.jit(jax.vmap(normalise_reward))(ns, rewards, m)  # (jitted, as the trainer)
+            got = jax.jit(jax.shard_map(
+                jax.vmap(lambda n, r, mk: epoch_lib._normalise(n, r, "data", mk)),
+                mesh=mesh, in_specs=(P(), P(None, "data"), P(None, "data")),
+                out_specs=(P(), P(None, "data")), check_vma=False))(ns, rewards, m)
+            res[f"normaliser_{mode}{tag}_bitwise"] = _equal(got, want)
     return res
 
 

@@ -334,6 +334,38 @@ def test_popart_and_none_modes():
     np.testing.assert_array_equal(np.asarray(rn), [1.0, 3.0])
 
 
+@pytest.mark.parametrize("mode", ["robust", "popart"])
+def test_a_mask_restricts_the_normaliser_statistics(mode):
+    rng = np.random.default_rng(0)
+    r = jnp.asarray(rng.normal(size=64).astype(np.float32))
+    mask = jnp.asarray(rng.random(64) < 0.7)
+    ns0 = E.init_norm_state(EnvConfig(reward_norm=mode))
+    ns0, _ = E.normalise_reward(ns0, r * 2.0 + 1.0)  # non-trivial running statistics
+    masked, rn = E.normalise_reward(ns0, r, mask)
+    subset, _ = E.normalise_reward(ns0, r[np.asarray(mask)])
+    for name in ("center", "scale", "count"):  # = the update on the marked rewards alone
+        np.testing.assert_allclose(float(getattr(masked, name)), float(getattr(subset, name)),
+                                   rtol=1e-6, err_msg=name)
+    unmasked, _ = E.normalise_reward(ns0, r)
+    assert float(unmasked.center) != float(masked.center)
+    # every reward is still normalised, with the new statistics
+    denom = (max(float(masked.scale), ns0.floor) if mode == "robust" else
+             max(np.sqrt(max(float(masked.scale) - float(masked.center) ** 2, 0.0)), ns0.floor))
+    np.testing.assert_allclose(np.asarray(rn), (np.asarray(r) - float(masked.center)) / denom,
+                               rtol=1e-5, atol=1e-6)
+    # nothing marked: statistics and count unchanged; all marked: the unmasked update
+    none, rn0 = E.normalise_reward(ns0, r, jnp.zeros(64, bool))
+    for name in ("center", "scale", "count"):
+        assert float(getattr(none, name)) == float(getattr(ns0, name)), name
+    assert np.isfinite(np.asarray(rn0)).all()
+    every, _ = E.normalise_reward(ns0, r, jnp.ones(64, bool))
+    for name in ("center", "scale", "count"):
+        np.testing.assert_allclose(float(getattr(every, name)), float(getattr(unmasked, name)),
+                                   rtol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="mask shape"):
+        E.normalise_reward(ns0, r, jnp.ones(63, bool))
+
+
 # ------------------------------------------------------------------ bad input
 
 

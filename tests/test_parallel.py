@@ -100,7 +100,8 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
     assert r["start_identical"], r  # every device starts from the same block ...
     assert r["actions_differ"] and r["priorities_differ"], r  # ... and draws its own noise
     assert r["weights_max"] == 1.0 and min(r["weights_shard_max"]) < 1.0, r
-    assert r["normaliser_robust_bitwise"] and r["normaliser_popart_bitwise"], r
+    assert all(r[f"normaliser_{m}{t}_bitwise"] for m in ("robust", "popart")
+               for t in ("", "_masked")), r
 
     j = res["job"]
     assert j["compilations"] == 1 and j["resume_same_returns"] and j["resume_same_sharpe"], j

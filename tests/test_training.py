@@ -487,6 +487,49 @@ def test_a_terminal_episode_end_stores_the_forced_step_without_bootstrap():
                 np.testing.assert_allclose(tr.reward[j], win.reward[i, e], rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["truncate", "terminal"])
+def test_the_reward_normaliser_fits_the_rewards_the_learner_fits(monkeypatch, mode):
+    # Under "truncate" the forced liquidation is no transition, so its reward stays out of the
+    # normaliser's statistics (mask = ~done); under "terminal" every reward counts, as before.
+    from jdqn.env.normalise import normalise_reward
+    from jdqn.train import epoch as epoch_lib
+
+    seen = []
+
+    def spy(ns, reward, mask=None):
+        if mask is None:
+            jax.debug.callback(lambda r: seen.append((np.asarray(r), None)), reward, ordered=True)
+        else:
+            jax.debug.callback(lambda r, m: seen.append((np.asarray(r), np.asarray(m))),
+                               reward, mask, ordered=True)
+        return normalise_reward(ns, reward, mask)
+
+    monkeypatch.setattr(epoch_lib, "normalise_reward", spy)
+    cfg = tiny_config("env.episode_length=5", "train.collect_steps=7",
+                      f"train.episode_end={mode}")
+    p, env_params, state = _setup(cfg)
+    st = jax.tree.map(lambda x: x[0], state)
+    st1, chunk, _ = epoch_lib.collect(p.learner, st, env_params)
+    jax.effects_barrier()
+    done = np.asarray(chunk.done)
+    assert len(seen) == 7 and done.any() and not done.all()
+    ns = st.norm
+    for k, (r, m) in enumerate(seen):
+        if mode == "terminal":
+            assert m is None
+        else:
+            np.testing.assert_array_equal(m, ~done[k])  # exactly the non-forced steps
+        ns, _ = normalise_reward(ns, jnp.asarray(r), None if m is None else jnp.asarray(m))
+    for name in ("center", "scale", "count"):  # the state is the fold of those updates
+        np.testing.assert_array_equal(np.asarray(getattr(st1.norm, name)),
+                                      np.asarray(getattr(ns, name)), err_msg=name)
+    if mode == "truncate":  # and it differs from the unmasked fold: the mask did something
+        ns_all = st.norm
+        for r, _ in seen:
+            ns_all, _ = normalise_reward(ns_all, jnp.asarray(r))
+        assert float(ns_all.center) != float(ns.center) or float(ns_all.scale) != float(ns.scale)
+
+
 def test_resume_refuses_a_checkpoint_without_loop_state(tmp_path):
     from jdqn.train import checkpoint as ckpt_lib
 

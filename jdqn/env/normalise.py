@@ -15,6 +15,13 @@ Modes (``EnvConfig.reward_norm``):
   floor)``. (Preserving the network's outputs when μ, σ move — the "art" of PopArt — needs the
   learner's last layer and is the learner's job; ``NormState`` exposes the statistics.)
 * ``"none"``: identity.
+
+``mask`` (bool, the shape of ``reward``) restricts the statistics to the rewards it marks; every
+reward is still normalised. The trainer passes ``~done`` under ``train.episode_end =
+"truncate"``, where the forced-liquidation step is not a transition: the statistics are those
+of the rewards the learner fits. A call whose (strided) sample has no marked reward leaves the
+statistics and ``count`` unchanged. Without a mask (``"terminal"``) the update is the one of
+earlier versions, bit for bit.
 """
 
 from __future__ import annotations
@@ -44,24 +51,50 @@ def init_norm_state(cfg: EnvConfig) -> NormState:
                      decay=float(cfg.reward_norm_decay), floor=float(cfg.reward_iqr_floor))
 
 
-def normalise_reward(norm_state: NormState, reward: jax.Array) -> tuple[NormState, jax.Array]:
-    """Update the running statistics with ``reward`` (any shape) and return it normalised."""
+def normalise_reward(norm_state: NormState, reward: jax.Array, mask: jax.Array | None = None
+                     ) -> tuple[NormState, jax.Array]:
+    """Update the running statistics with ``reward`` (any shape; only where ``mask``, if given)
+    and return every reward normalised."""
     ns = norm_state
     if ns.mode == "none":
         return ns, reward
     flat = reward.reshape(-1).astype(jnp.float32)
+    keep = None if mask is None else mask.reshape(-1)
+    if keep is not None and keep.shape != flat.shape:
+        raise ValueError(f"normalise_reward: mask shape {mask.shape} != reward shape "
+                         f"{reward.shape}")
     w = jnp.maximum(1.0 - ns.decay, 1.0 / (ns.count + 1.0))
     if ns.mode == "robust":
         stride = max(1, flat.shape[0] // MAX_QUANTILE_SAMPLES)
-        q25, q50, q75 = jnp.quantile(flat[::stride], jnp.array([0.25, 0.5, 0.75]))
+        qs = jnp.array([0.25, 0.5, 0.75])
+        if keep is None:
+            q25, q50, q75 = jnp.quantile(flat[::stride], qs)
+            seen = None
+        else:
+            sub = jnp.where(keep[::stride], flat[::stride], jnp.nan)
+            seen = jnp.any(keep[::stride])
+            q25, q50, q75 = jnp.nanquantile(sub, qs)
         center = ns.center + w * (q50 - ns.center)
         scale = ns.scale + w * ((q75 - q25) - ns.scale)
-        denom = jnp.maximum(scale, ns.floor)
     elif ns.mode == "popart":
-        center = ns.center + w * (flat.mean() - ns.center)
-        scale = ns.scale + w * (jnp.mean(flat * flat) - ns.scale)
-        denom = jnp.maximum(jnp.sqrt(jnp.maximum(scale - center * center, 0.0)), ns.floor)
+        if keep is None:
+            m1, m2, seen = flat.mean(), jnp.mean(flat * flat), None
+        else:
+            n = jnp.sum(keep.astype(jnp.float32))
+            seen = n > 0
+            m1 = jnp.sum(jnp.where(keep, flat, 0.0)) / jnp.maximum(n, 1.0)
+            m2 = jnp.sum(jnp.where(keep, flat * flat, 0.0)) / jnp.maximum(n, 1.0)
+        center = ns.center + w * (m1 - ns.center)
+        scale = ns.scale + w * (m2 - ns.scale)
     else:
         raise ValueError(f"unknown reward_norm mode {ns.mode!r}")
-    new = ns.replace(center=center, scale=scale, count=ns.count + 1.0)
+    count = ns.count + 1.0
+    if seen is not None:  # nothing marked: keep the statistics as they were
+        center, scale, count = (jnp.where(seen, a, b) for a, b in
+                                ((center, ns.center), (scale, ns.scale), (count, ns.count)))
+    if ns.mode == "robust":
+        denom = jnp.maximum(scale, ns.floor)
+    else:
+        denom = jnp.maximum(jnp.sqrt(jnp.maximum(scale - center * center, 0.0)), ns.floor)
+    new = ns.replace(center=center, scale=scale, count=count)
     return new, ((reward - center) / denom).astype(reward.dtype)

@@ -97,7 +97,10 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
         gap, var = policy_aux(out, action[:, 0])
         env1, reward, done, info = env_core.step(env_params, st.env, action,
                                                  env_core.PolicyAux(q_gap=gap, q_var=var))
-        norm, reward_n = _normalise(st.norm, reward, ax)
+        # Under "truncate" the forced liquidation (done) is no transition: keep its reward out
+        # of the normaliser's statistics too.
+        fit = None if learner.cfg.train.episode_end == "terminal" else ~done
+        norm, reward_n = _normalise(st.norm, reward, ax, fit)
         rec = StepRecord(t=st.env.t, port=env_core.portfolio(env_params, st.env), action=action,
                          reward=reward_n, done=done, truncated=env1.t >= env1.last,
                          next_t=env1.t,
@@ -135,12 +138,13 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
     return state, chunk, summed
 
 
-def _normalise(norm, reward: jax.Array, axis: str | None):
+def _normalise(norm, reward: jax.Array, axis: str | None, mask: jax.Array | None = None):
     """Reward normalisation; under data parallel its statistics are taken over the rewards of
     every device's envs (so they stay replicated) and this device's block is returned."""
     if axis is None or norm.mode == "none":
-        return normalise_reward(norm, reward)
-    norm, rn = normalise_reward(norm, parallel.gather(reward, axis))
+        return normalise_reward(norm, reward, mask)
+    norm, rn = normalise_reward(norm, parallel.gather(reward, axis),
+                                None if mask is None else parallel.gather(mask, axis))
     return norm, parallel.local_block(rn, reward.shape[0], axis)
 
 
