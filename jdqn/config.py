@@ -291,7 +291,10 @@ class ParallelConfig:
     # 1 = one device; D > 1 = the first D devices; 0 = every device JAX sees. env.n_envs,
     # train.batch_size and train.replay_capacity are global and must divide by the count.
     n_devices: int = fld(1, ge=0, le=4096)
-    distributed: bool = False  # multi-host jax.distributed (not in this version)
+    # Multi-host: this process is one of several started together (one per host), joined by
+    # jax.distributed (CLI --coordinator/--num-processes/--process-id, or cluster detection);
+    # n_devices then counts every process's devices (docs/training.md, "Multi-host").
+    distributed: bool = False
 
 
 @dataclass(frozen=True)
@@ -458,12 +461,6 @@ def _validate(obj: Any, prefix: str) -> None:
                               "a single gradient update")
         if obj.train_frac + obj.test_frac >= 1:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
-    if isinstance(obj, ParallelConfig) and obj.distributed:
-        # Refused rather than ignored: a config asking for several hosts must not silently
-        # train on one.
-        raise ConfigError(f"{p}distributed = true: multi-host training is not available in "
-                          f"this version; use distributed = false ({p}n_devices spreads the "
-                          "job over the devices of one host)")
     if isinstance(obj, Config):
         t = obj.train
         if obj.parallel.n_devices > 1:

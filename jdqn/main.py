@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
                    "(docs/training.md, 'Determinism')")
     p.add_argument("--features-only", action="store_true",
                    help="build (or load from cache) the bars and features, print a summary, stop")
+    g = p.add_argument_group("multi-host (parallel.distributed = true; docs/training.md, "
+                             "'Multi-host')")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordination service (omit all three flags "
+                   "to let JAX detect the cluster: SLURM, Open MPI, ...)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="how many processes the job has (one per host)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's index, 0 … N−1; process 0 writes the run folder")
     return p
 
 
@@ -223,9 +232,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.features_only:
             print(features_summary(cfg))
             return 0
-        out = resolve_output_dir(args.config, args.output_dir, args.resume)
+        multi = cfg.parallel.distributed
+        flags = [args.coordinator, args.num_processes, args.process_id]
+        if not multi and any(f is not None for f in flags):
+            raise ConfigError("--coordinator/--num-processes/--process-id need "
+                              "parallel.distributed = true in the config")
+        if multi and args.output_dir is None:
+            raise ConfigError("parallel.distributed = true needs --output-dir: every process "
+                              "must name the same run folder (on a shared file system)")
+        out = None if multi else resolve_output_dir(args.config, args.output_dir, args.resume)
         with _autotune(args.autotune_file) as autotune:
-            write_resolved_config(cfg, out, args.resume)
+            if multi:
+                from jdqn.train import distributed
+
+                distributed.initialize(*flags)
+                out = _primary_prepares_the_folder(cfg, args)
+            else:
+                write_resolved_config(cfg, out, args.resume)
             if autotune is None:
                 enable_compilation_cache()
             elif autotune == "dump":  # every program must compile (and autotune) to be recorded
@@ -237,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             from jdqn.train.job import run_job
 
             run_job(cfg, out, resume=args.resume)
-        print(f"run written to {out}")
+        if not multi or distributed.is_primary():
+            print(f"run written to {out}")
         if autotune == "dump":
             f = Path(args.autotune_file)
             print(f"XLA's autotuned kernel choices recorded in {f}; pass --autotune-file {f} "
@@ -254,6 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jdqn: interrupted", file=sys.stderr)
         return 130
+
+
+def _primary_prepares_the_folder(cfg: Config, args: argparse.Namespace) -> Path:
+    """Multi-host: process 0 checks the run folder and writes ``config.toml`` (the other
+    processes would race it); its verdict goes to every process, so all of them stop on the
+    same one-line error or all go on."""
+    from jdqn.train import distributed
+
+    error = None
+    if distributed.is_primary():
+        try:
+            out = resolve_output_dir(args.config, args.output_dir, args.resume)
+            write_resolved_config(cfg, out, args.resume)
+        except ConfigError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    error = distributed.broadcast_json(error)
+    if error is not None:
+        raise ConfigError(error if distributed.is_primary() else f"process 0: {error}")
+    return Path(args.output_dir)
 
 
 @contextlib.contextmanager

@@ -30,10 +30,14 @@ def test_sizes_that_do_not_divide_over_the_devices_are_refused():
     tiny_config("parallel.n_devices=4")  # 16, 32 and 2048 divide by 4
 
 
-def test_multi_host_is_refused_not_ignored():
-    with pytest.raises(ConfigError, match="distributed = true: multi-host training is not "
-                                          "available"):
-        tiny_config("parallel.distributed=true")
+def test_multi_host_trains_on_every_device_of_every_process(monkeypatch):
+    cfg = tiny_config("parallel.distributed=true", "parallel.n_devices=1")
+    assert resolve_n_devices(cfg) == 1  # one process: distributed alone changes nothing
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    with pytest.raises(ConfigError, match=r"parallel.n_devices = 1 with parallel.distributed "
+                                          r"= true: .* \(here 4 on 2 processes\); use 0"):
+        resolve_n_devices(cfg)
 
 
 def test_more_devices_than_present_is_a_clear_error_before_the_data_is_read(monkeypatch):

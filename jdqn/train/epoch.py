@@ -390,8 +390,8 @@ def make_epoch_fn(learner: Learner):
         return jitted
 
     def placed(state: TrainState, env_params, fold, active: jax.Array | None = None):
-        state = jax.device_put(state, parallel.state_shardings(state, mesh))
-        env_params = jax.device_put(env_params, parallel.replicated(mesh))
+        state = parallel.put(state, parallel.state_shardings(state, mesh))
+        env_params = parallel.put(env_params, parallel.replicated(mesh))
         return jitted(state, env_params, fold, active)
 
     placed._cache_size = jitted._cache_size  # the compile-count checks read it

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdqn.config import Config, ConfigError, dumps_toml
+from jdqn.config import Config, ConfigError, LoggingConfig, dumps_toml
 from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
 from jdqn.data.bars import event_bar_seconds
 from jdqn.env import core as env_core
@@ -36,7 +36,7 @@ from jdqn.evaluate.backtest import BacktestResult, rollout
 from jdqn.evaluate.baselines import run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year
 from jdqn.evaluate.report import write_report, write_seed_summary
-from jdqn.train import parallel, safety
+from jdqn.train import distributed, parallel, safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
 from jdqn.train.folds import FoldPlan, plan_folds
 from jdqn.train.logger import RunLogger
@@ -195,6 +195,14 @@ def _fold_state(p: Prepared, state: TrainState | None, env_params: env_core.EnvP
     return _reset_fn(learner)(state, fresh)
 
 
+def _held_outputs(out: Path) -> list[str]:
+    ckdir = out / "checkpoints"
+    held = [n for n in ("metrics.jsonl", "report.json", "returns.csv") if (out / n).exists()]
+    if ckdir.is_dir() and any(ckdir.iterdir()):
+        held.append("checkpoints/")
+    return held
+
+
 def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole job into ``out``; returns the report of the first seed."""
     t0 = time.perf_counter()
@@ -202,10 +210,9 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     if not resume:
         # The CLI refuses a non-empty folder itself (and then writes config.toml into it); a
         # caller of this function gets the same protection for another run's outputs.
-        ckdir = out / "checkpoints"
-        held = [n for n in ("metrics.jsonl", "report.json", "returns.csv") if (out / n).exists()]
-        if ckdir.is_dir() and any(ckdir.iterdir()):
-            held.append("checkpoints/")
+        # Multi-host: process 0 looks (the others would see its first files) and tells all.
+        held = distributed.broadcast_json(_held_outputs(out) if distributed.is_primary()
+                                          else None)
         if held:
             raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume it "
                                   "(resume=True, CLI --resume) or choose another folder")
@@ -239,7 +246,9 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
                     f"{out / 'checkpoints' / str(ckpt.latest_step())}: its loop state (extra) "
                     f"lacks {', '.join(lacking)}; the checkpoint is damaged or not this "
                     "program's")
-        logger = RunLogger(out, cfg.logging, plan_epochs(cfg), quiet=quiet,
+        primary = distributed.is_primary()  # multi-host: process 0 alone logs
+        logger = RunLogger(out, cfg.logging if primary else LoggingConfig(False, False, False),
+                           plan_epochs(cfg), quiet=quiet or not primary,
                            resume_epoch=progress["global_epoch"] if resume else None)
         logger.advance(progress["global_epoch"])
         try:
@@ -279,11 +288,16 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
             "features": list(p.feats.names),
             "n_params": int(sum(np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
             "epoch_compilations": int(epoch_fn._cache_size()),
-            "devices": p.learner.n_devices, "platform": jax.devices()[0].platform,
+            "devices": p.learner.n_devices, "processes": jax.process_count(),
+            "platform": jax.devices()[0].platform,
             "wall_seconds": time.perf_counter() - t0,
         }
-        reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
-                                    [fm[s] for fm in progress["fold_metrics"]], p.ppy, extra))
+        if distributed.is_primary():  # multi-host: process 0 writes the report
+            reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
+                                        [fm[s] for fm in progress["fold_metrics"]], p.ppy,
+                                        extra))
+    if not reports:
+        return {}
     if len(seeds) > 1:
         write_seed_summary(out, seeds, reports)
     return reports[0]
@@ -333,6 +347,9 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                    compute_metrics(evaluate_params(cfg, p, val_params,
                                                    seed_slice(state.params, s), *fold.val), p.ppy)
                    for s in range(n_seeds)]
+            # Multi-host: process 0's validation decides for every process (identical on
+            # CPU; on GPUs each process compiles its own backtest and could round otherwise).
+            val = distributed.broadcast_json(val)
             last_val = val
             improved = []
             for s in range(n_seeds):

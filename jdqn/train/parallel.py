@@ -67,6 +67,11 @@ def resolve_n_devices(cfg: Config, devices: list[Any] | None = None) -> int:
     checked against the devices present (``devices``, default ``jax.devices()``) and the sizes
     it must divide."""
     want = cfg.parallel.n_devices
+    if cfg.parallel.distributed and devices is None and jax.process_count() > 1 \
+            and want not in (0, jax.device_count()):
+        raise ConfigError(f"parallel.n_devices = {want} with parallel.distributed = true: a "
+                          f"multi-host job trains on every device of every process (here "
+                          f"{jax.device_count()} on {jax.process_count()} processes); use 0")
     if want == 1:
         return 1
     devices = jax.devices() if devices is None else devices
@@ -83,13 +88,41 @@ def resolve_n_devices(cfg: Config, devices: list[Any] | None = None) -> int:
 def replicate(tree: Any, n_devices: int) -> Any:
     """``tree`` copied to each of the first ``n_devices`` devices (unchanged on one device):
     the env params the data-parallel epoch reads, placed once per fold rather than per call."""
-    return tree if n_devices == 1 else jax.device_put(tree, replicated(make_mesh(n_devices)))
+    return tree if n_devices == 1 else put(tree, replicated(make_mesh(n_devices)))
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` (one sharding or a tree of them) that also works
+    across processes: there, an array held whole by this process (committed to one of its
+    devices) goes through the host — every process holds the same value, and JAX takes each
+    process's copy for its own shards. Arrays already laid out over the mesh move as usual."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(x: Any, s: jax.sharding.Sharding) -> Any:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            # typed keys are not plain arrays to device_put across processes: move their data
+            return jax.random.wrap_key_data(one(jax.random.key_data(x), s),
+                                            impl=jax.random.key_impl(x))
+        if isinstance(x, jax.Array) and x.is_fully_addressable and not s.is_fully_addressable:
+            x = np.asarray(x)
+        return jax.device_put(x, s)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def on_first_device(tree: Any, n_devices: int) -> Any:
-    """``tree`` on the first device only: a replicated array handed to a one-device program
-    (the validation and test backtests) would make it run on every device of the mesh."""
-    return tree if n_devices == 1 else jax.device_put(tree, jax.devices()[0])
+    """``tree`` on this process's first device only: a replicated array handed to a one-device
+    program (the validation and test backtests) would make it run on every device of the mesh.
+    Multi-host: through the host (a replicated array spanning processes cannot be moved to one
+    device directly; each process holds the whole of it)."""
+    if n_devices == 1:
+        return tree
+    if jax.process_count() > 1:
+        tree = jax.tree.map(np.asarray, tree)
+    return jax.device_put(tree, jax.local_devices()[0])
 
 
 def make_mesh(n_devices: int) -> Mesh:
