@@ -26,3 +26,7 @@ class LogError(JdqnError):
 
 class TrainingHalted(JdqnError):
     """Training stopped by a safety check (non-finite tensor, Q drift)."""
+
+
+class DistributedError(JdqnError):
+    """Another process of a multi-host job failed, or the processes were not started alike."""

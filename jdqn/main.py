@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         if multi and args.output_dir is None:
             raise ConfigError("parallel.distributed = true needs --output-dir: every process "
                               "must name the same run folder (on a shared file system)")
+        if multi and args.autotune_file is not None:
+            raise ConfigError("--autotune-file is not available with parallel.distributed = "
+                              "true (every process would record its own kernel choices into "
+                              "the one file); use XLA_FLAGS=--xla_gpu_deterministic_ops=true "
+                              "for bitwise reproducible multi-host runs")
         out = None if multi else resolve_output_dir(args.config, args.output_dir, args.resume)
         with _autotune(args.autotune_file) as autotune:
             if multi:
@@ -281,23 +286,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _primary_prepares_the_folder(cfg: Config, args: argparse.Namespace) -> Path:
-    """Multi-host: process 0 checks the run folder and writes ``config.toml`` (the other
-    processes would race it); its verdict goes to every process, so all of them stop on the
+    """Multi-host: every process must have been started alike (config, ``--resume``,
+    ``--output-dir``); process 0 alone checks the run folder and writes ``config.toml`` (the
+    others would race it), and its verdict reaches every process, so all of them stop on the
     same one-line error or all go on."""
+    import hashlib
+
     from jdqn.train import distributed
 
-    error = None
-    if distributed.is_primary():
-        try:
+    distributed.same_everywhere({
+        "config": hashlib.sha256(dumps_toml(cfg).encode()).hexdigest()[:16],
+        "--resume": bool(args.resume), "--output-dir": str(args.output_dir)})
+    with distributed.together("checking the run folder"):
+        if distributed.is_primary():
             out = resolve_output_dir(args.config, args.output_dir, args.resume)
             write_resolved_config(cfg, out, args.resume)
-        except ConfigError as e:
-            error = str(e)
-        except OSError as e:
-            error = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
-    error = distributed.broadcast_json(error)
-    if error is not None:
-        raise ConfigError(error if distributed.is_primary() else f"process 0: {error}")
     return Path(args.output_dir)
 
 

@@ -20,20 +20,35 @@ What each process does (docs/training.md, "Multi-host"):
   checkpoint retention take the same decision everywhere even if two processes' compiled
   backtests rounded differently;
 * only process 0 checks and writes the run folder's files: ``config.toml``, ``metrics.jsonl``,
-  TensorBoard, the report; the others print nothing per epoch.
+  TensorBoard, the report; the others print nothing per epoch;
+* the processes must be started alike: :func:`same_everywhere` refuses a job whose processes
+  differ in config, ``--resume`` or run folder (checked before anything is written), or in the
+  data they read (checked after building it);
+* a failure in a part that does not communicate (building the data, process 0's logging and
+  report) is shared at the end of that part (:func:`together`): every process stops with it
+  (the others name the process that failed) instead of waiting for a collective the failed
+  process never reaches. A process that dies or fails inside a collective (an epoch, a
+  checkpoint save) is JAX's to detect: the others abort after ``jax.distributed``'s heartbeat
+  timeout (100 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from jdqn.config import ConfigError
+from jdqn.errors import DistributedError
 
-_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+CONNECT_TIMEOUT_S = 120.0  # how long a process waits for process 0's coordinator to listen
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -45,7 +60,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ConfigError("--coordinator, --num-processes and --process-id go together (or "
                           "none of them, to let JAX detect the cluster: SLURM, Open MPI, ...)")
     if coordinator is not None:
-        if not _ADDRESS.match(coordinator):
+        m = _ADDRESS.match(coordinator)
+        if not m or not 0 < int(m["port"]) < 65536:
             raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT")
         if num_processes < 1:
             raise ConfigError(f"--num-processes {num_processes}: must be ≥ 1")
@@ -58,10 +74,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if _jax_backend_started():
         raise ConfigError("parallel.distributed = true: JAX has already started in this "
                           "process; multi-process training must join the job before that")
-    try:  # CPU processes exchange collectives through gloo (a no-op setting on GPU)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except (AttributeError, ValueError):  # pragma: no cover - option renamed in a later JAX
-        pass
+    if coordinator is not None and process_id != 0:
+        # JAX aborts the process (no Python error) when the coordinator never answers: wait for
+        # it here first, so that an unreachable address is a one-line error.
+        _wait_for(m["host"].strip("[]"), int(m["port"]), coordinator)
+    import os
+
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+        try:  # CPU processes exchange collectives through gloo (no effect on GPU)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except (AttributeError, ValueError):  # pragma: no cover - option renamed
+            pass
     try:
         jax.distributed.initialize(coordinator_address=coordinator,
                                    num_processes=num_processes, process_id=process_id)
@@ -70,6 +93,20 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ConfigError(f"parallel.distributed = true: could not join the multi-process "
                           f"job ({first}); give --coordinator, --num-processes and "
                           "--process-id, or run under a cluster JAX detects") from None
+
+
+def _wait_for(host: str, port: int, coordinator: str) -> None:
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"--coordinator {coordinator}: nothing answered there for "
+                                  f"{CONNECT_TIMEOUT_S:.0f} s ({e.strerror or e}); start "
+                                  "process 0 with the same address, on that host") from None
+            time.sleep(0.5)
 
 
 def process_count() -> int:
@@ -91,27 +128,78 @@ def _plain(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} cannot be sent to the other processes")
 
 
+def allgather_json(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (anything JSON carries; numpy values become Python ones), in
+    process order, on every process. Every process must call it at the same point. Buffers
+    are padded to a power of two, so the few programs it compiles are reused."""
+    if process_count() == 1:
+        return [json.loads(json.dumps(obj, default=_plain))]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj, default=_plain).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32)))
+    width = max(1024, 1 << (int(sizes.max()) - 1).bit_length())
+    buf = np.zeros(width, np.uint8)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), width)
+    return [json.loads(rows[i, :int(sizes.reshape(-1)[i])].tobytes().decode())
+            for i in range(len(rows))]
+
+
 def broadcast_json(obj: Any) -> Any:
-    """Process 0's ``obj`` (anything JSON can carry; numpy values become Python ones) on every
-    process, process 0 included, as JSON decodes it; a one-process run returns ``obj``
-    unchanged. Every process must call it at the same point."""
+    """Process 0's ``obj`` on every process (process 0 included, as JSON decodes it); a
+    one-process run returns ``obj`` unchanged."""
     if process_count() == 1:
         return obj
-    from jax.experimental import multihost_utils
-
-    data = (np.frombuffer(json.dumps(obj, default=_plain).encode(), np.uint8)
-            if is_primary() else None)
-    n = int(multihost_utils.broadcast_one_to_all(
-        np.asarray(0 if data is None else data.size, np.int32)))
-    buf = np.zeros(n, np.uint8) if data is None else data
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
-    return json.loads(out.tobytes().decode())
+    return allgather_json(obj if is_primary() else None)[0]
 
 
-def barrier(name: str) -> None:
-    """Wait until every process reaches ``name`` (no-op with one process)."""
+def agree(error: BaseException | None, what: str) -> None:
+    """Share whether this process failed at ``what``: every process raises together — the one
+    that failed its own error, the others a :class:`DistributedError` naming it."""
+    if process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    import jax
+
+    msg = None if error is None else (str(error).strip().splitlines() or [""])[0][:500] \
+        or type(error).__name__
+    msgs = allgather_json(msg)
+    if error is not None:
+        raise error
+    failed = [(i, m) for i, m in enumerate(msgs) if m is not None and i != jax.process_index()]
+    if failed:
+        i, m = failed[0]
+        raise DistributedError(f"process {i} failed {what}: {m}")
+
+
+@contextlib.contextmanager
+def together(what: str) -> Iterator[None]:
+    """Run a block that does not communicate, then :func:`agree` on how it went. (A block
+    holding a collective cannot be wrapped: a process failing before it would leave the others
+    waiting inside it.)"""
+    error = None
+    try:
+        yield
+    except Exception as e:  # every failure is shared, then re-raised
+        if process_count() == 1:
+            raise
+        error = e
+    agree(error, what)
+
+
+def same_everywhere(values: dict[str, Any]) -> None:
+    """Refuse a job whose processes hold different ``values`` (every process raises, naming
+    the first entry that differs and the first process that differs in it)."""
     if process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
+    everyone = allgather_json(values)
+    for key in values:
+        odd = [i for i, v in enumerate(everyone) if v.get(key) != everyone[0].get(key)]
+        if odd:
+            mine, theirs = (str(everyone[i].get(key))[:200] for i in (odd[0], 0))
+            raise DistributedError(
+                f"the processes were not started alike: process {odd[0]}'s {key} differs "
+                f"from process 0's ({mine!r} vs {theirs!r}); start every process with the same "
+                "config, --set overrides, --resume, --output-dir and data")

@@ -204,9 +204,15 @@ def _held_outputs(out: Path) -> list[str]:
 
 
 def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Run (or resume) the whole job into ``out``; returns the report of the first seed."""
+    """Run (or resume) the whole job into ``out``; returns the report of the first seed (an
+    empty dict on the processes other than 0 of a multi-host job, which write no report)."""
     t0 = time.perf_counter()
     out = Path(out)
+    if cfg.parallel.distributed and not jax.distributed.is_initialized():
+        raise ConfigError("parallel.distributed = true: this process has not joined a "
+                          "multi-process job; call jdqn.train.distributed.initialize(...) "
+                          "before JAX starts (the CLI does, from --coordinator/--num-processes/"
+                          "--process-id)")
     if not resume:
         # The CLI refuses a non-empty folder itself (and then writes config.toml into it); a
         # caller of this function gets the same protection for another run's outputs.
@@ -217,7 +223,10 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
             raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume it "
                                   "(resume=True, CLI --resume) or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
-    p = prepare(cfg)
+    with distributed.together("building the data"):
+        p = prepare(cfg)
+    # Multi-host: every process must have read the same data under the same config.
+    distributed.same_everywhere({"data and config digest": feature_schema(p)})
     keys = seed_keys(cfg.train.seeds)
     epoch_fn = make_epoch_fn(p.learner)
     env_params = fold_env_params(cfg, p, 0)
@@ -247,9 +256,11 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
                     f"lacks {', '.join(lacking)}; the checkpoint is damaged or not this "
                     "program's")
         primary = distributed.is_primary()  # multi-host: process 0 alone logs
-        logger = RunLogger(out, cfg.logging if primary else LoggingConfig(False, False, False),
-                           plan_epochs(cfg), quiet=quiet or not primary,
-                           resume_epoch=progress["global_epoch"] if resume else None)
+        with distributed.together("opening the logs"):
+            logger = RunLogger(out, cfg.logging if primary else
+                               LoggingConfig(False, False, False), plan_epochs(cfg),
+                               quiet=quiet or not primary,
+                               resume_epoch=progress["global_epoch"] if resume else None)
         logger.advance(progress["global_epoch"])
         try:
             state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt,
@@ -292,15 +303,15 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
             "platform": jax.devices()[0].platform,
             "wall_seconds": time.perf_counter() - t0,
         }
-        if distributed.is_primary():  # multi-host: process 0 writes the report
-            reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
-                                        [fm[s] for fm in progress["fold_metrics"]], p.ppy,
-                                        extra))
-    if not reports:
-        return {}
-    if len(seeds) > 1:
-        write_seed_summary(out, seeds, reports)
-    return reports[0]
+        with distributed.together("writing the report"):
+            if distributed.is_primary():  # multi-host: process 0 writes the report
+                reports.append(write_report(folder, p.bars.ts[res.bar], res, baselines,
+                                            [fm[s] for fm in progress["fold_metrics"]], p.ppy,
+                                            extra))
+    with distributed.together("writing the report"):
+        if len(seeds) > 1 and reports:
+            write_seed_summary(out, seeds, reports)
+    return reports[0] if reports else {}
 
 
 def plan_epochs(cfg: Config) -> int:
@@ -382,7 +393,8 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                 rows = np.asarray(active)
                 metrics = jax.tree.map(lambda x, rows=rows: x[rows], metrics)
             record = _epoch_record(f, e, metrics, val, tc.seeds, active)
-            logger.log_epoch(record, progress["global_epoch"])
+            with distributed.together("logging an epoch"):
+                logger.log_epoch(record, progress["global_epoch"])
             if ckpt is not None:
                 ckpt.save(progress["global_epoch"], state,
                           metrics={"val_sharpe": float(np.mean([v["sharpe"] for v in val])),
