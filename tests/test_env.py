@@ -364,6 +364,12 @@ def test_a_mask_restricts_the_normaliser_statistics(mode):
                                    rtol=1e-6, err_msg=name)
     with pytest.raises(ValueError, match="mask shape"):
         E.normalise_reward(ns0, r, jnp.ones(63, bool))
+    # a NaN reward poisons the statistics if marked (as without a mask), not if unmarked
+    nan_r = r.at[3].set(jnp.nan)
+    for marked in (True, False):
+        m = mask.at[3].set(marked)
+        ns_nan, _ = E.normalise_reward(ns0, nan_r, m)
+        assert np.isnan(float(ns_nan.center)) == marked, marked
 
 
 # ------------------------------------------------------------------ bad input

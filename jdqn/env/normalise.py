@@ -74,6 +74,10 @@ def normalise_reward(norm_state: NormState, reward: jax.Array, mask: jax.Array |
             sub = jnp.where(keep[::stride], flat[::stride], jnp.nan)
             seen = jnp.any(keep[::stride])
             q25, q50, q75 = jnp.nanquantile(sub, qs)
+            # a marked NaN must not be skipped as if unmarked: it poisons the statistics, as
+            # without a mask (the finite checks then halt on the normalised rewards)
+            poison = jnp.any(keep[::stride] & jnp.isnan(flat[::stride]))
+            q25, q50, q75 = (jnp.where(poison, jnp.nan, q) for q in (q25, q50, q75))
         center = ns.center + w * (q50 - ns.center)
         scale = ns.scale + w * ((q75 - q25) - ns.scale)
     elif ns.mode == "popart":
