@@ -53,7 +53,9 @@ def gradient_check() -> dict:
     net = p.learner.net
     env_params = job_lib.fold_env_params(cfg, p, 0)
     state = job_lib._fold_state(p, None, env_params, 0, seed_keys((0,)))
-    params = jax.tree.map(lambda x: x[0], state.params)
+    # (on the host: the state comes out laid out over the mesh, and a mesh array captured by
+    # the shard_map below would clash with its manual axes)
+    params = jax.tree.map(lambda x: np.asarray(x[0]), state.params)
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(7), len(leaves))
     params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
@@ -123,6 +125,14 @@ def _split_check(st) -> tuple[list[str], int, bool]:
     return diverged, sharded, env_t_differs
 
 
+def _laid_out(st, mesh) -> bool:
+    """Every leaf already carries the epoch's layout (replay and envs split, the rest
+    replicated): the state was never whole on one device."""
+    want = jax.tree.leaves(parallel.state_shardings(st, mesh))
+    return all(x.sharding.is_equivalent_to(w, x.ndim)
+               for x, w in zip(jax.tree.leaves(st), want, strict=True))
+
+
 def _equal(a, b) -> bool:
     return all(np.array_equal(np.asarray(_data(x)), np.asarray(_data(y)))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
@@ -147,6 +157,10 @@ def epoch_check(out: Path) -> dict:
             out.append(jax.device_get(m))
         return st, out
 
+    mesh = parallel.make_mesh(N_DEV)
+    fresh = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    laid_out = {"fresh": _laid_out(fresh, mesh)}
+    del fresh
     st, metrics = run()
     diverged, sharded, env_t_differs = _split_check(st)
     st2, _ = run()
@@ -163,6 +177,7 @@ def epoch_check(out: Path) -> dict:
 
     env1 = job_lib.fold_env_params(cfg, p, 1)
     st = job_lib._fold_state(p, st, env1, 1, seed_keys(cfg.train.seeds))
+    laid_out["fold_reset"] = _laid_out(st, mesh)
     st, _ = fn(st, env1, jnp.asarray(1, jnp.int32), jnp.asarray([True, True]))
     res["after_fold_reset"] = _split_check(st)[0]
 
@@ -172,8 +187,11 @@ def epoch_check(out: Path) -> dict:
     ck.save(1, st, metrics={"val_sharpe": 0.0, "fold": 1}, extra_json={})
     ck.close()
     ck = Checkpointer(out / "ck", fingerprint=job_lib.feature_schema(p))
-    restored, _ = ck.restore(1, jax.eval_shape(lambda x: x, st))
+    restored, _ = ck.restore(1, job_lib._placed_abstract(p.learner,
+                                                         jax.eval_shape(lambda x: x, st)))
     ck.close()
+    laid_out["restored"] = _laid_out(restored, mesh)
+    res["laid_out"] = laid_out
     res["restore_equal"] = _equal(restored, st)
     st, _ = fn(restored, env1, jnp.asarray(1, jnp.int32), jnp.asarray([True, True]))
     res["after_restore"] = _split_check(st)[0]

@@ -99,6 +99,7 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
     assert e["frozen_seed_unchanged"], e
     assert e["after_freeze"] == e["after_fold_reset"] == e["after_restore"] == [], e
     assert e["restore_equal"] and e["schema"].endswith(";devices=2"), e
+    assert e["laid_out"] == {"fresh": True, "fold_reset": True, "restored": True}, e
 
     r = res["randomness"]
     assert r["start_identical"], r  # every device starts from the same block ...

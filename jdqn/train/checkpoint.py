@@ -218,9 +218,9 @@ def _encode_keys(state: PyTree) -> PyTree:
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     """Restore target of one leaf: shape/dtype (key → its uint32 data) and a sharding."""
-    if _is_key(x):
-        x = jax.eval_shape(jax.random.key_data, x)
     sharding = getattr(x, "sharding", None)
+    if _is_key(x):  # its data takes the key's layout (a spec leaves the trailing axis whole)
+        x = jax.eval_shape(jax.random.key_data, x)
     if sharding is None:  # e.g. from jax.eval_shape: place on the first local device
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
@@ -237,7 +237,10 @@ def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]
     part of jit's cache key, so the first epoch after a resume would compile the whole program
     a second time)."""
     flat_abs, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    flat_new = [jnp.asarray(np.asarray(x)) for x in treedef.flatten_up_to(restored)]
+    # (Arrays restored over several devices stay as they are: a fresh data-parallel state is
+    # committed to the same layout.)
+    flat_new = [x if len(x.sharding.device_set) > 1 else jnp.asarray(np.asarray(x))
+                for x in treedef.flatten_up_to(restored)]
     out = []
     for (p, a), x in zip(flat_abs, flat_new, strict=True):
         if _is_key(a):

@@ -168,16 +168,45 @@ def _fresh_progress(n_seeds: int) -> dict[str, Any]:
             "fold_metrics": []}
 
 
+def _state_jit(learner: Learner, fn, **kw):
+    """``jax.jit(fn)`` for a ``fn`` that returns a multi-seed state; under data parallel the
+    state comes out laid out over the mesh as the epoch lays it out (replay and envs split,
+    the rest replicated), so it is never whole on one device (nor, multi-host, on one host)."""
+    if learner.n_devices == 1:
+        return jax.jit(fn, **kw)
+    mesh = parallel.make_mesh(learner.n_devices)
+    compiled: dict[str, Any] = {}
+
+    def call(*args):
+        if "fn" not in compiled:
+            shardings = parallel.state_shardings(jax.eval_shape(fn, *args), mesh)
+            compiled["fn"] = jax.jit(fn, out_shardings=shardings, **kw)
+        return compiled["fn"](*args)
+
+    return call
+
+
 @functools.cache
 def _init_fn(learner: Learner):
-    return jax.jit(jax.vmap(lambda k, ep: init_state(learner, k, ep), in_axes=(0, None)))
+    return _state_jit(learner, jax.vmap(lambda k, ep: init_state(learner, k, ep),
+                                        in_axes=(0, None)))
 
 
 @functools.cache
 def _reset_fn(learner: Learner):
     policy = fold_reset_policy(learner.cfg.train)
-    return jax.jit(jax.vmap(lambda st, fr: apply_reset(policy, st, None, fr)),
-                   donate_argnums=(0,))
+    return _state_jit(learner, jax.vmap(lambda st, fr: apply_reset(policy, st, None, fr)),
+                      donate_argnums=(0,))
+
+
+def _placed_abstract(learner: Learner, abstract: Any) -> Any:
+    """The restore target: under data parallel each leaf carries the sharding the epoch uses,
+    so orbax reads every process's shards straight onto its devices."""
+    if learner.n_devices == 1:
+        return abstract
+    shardings = parallel.state_shardings(abstract, parallel.make_mesh(learner.n_devices))
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        abstract, shardings)
 
 
 def _fold_state(p: Prepared, state: TrainState | None, env_params: env_core.EnvParams,
@@ -247,7 +276,8 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
         if resume:
             if ckpt.latest_step() is None:
                 raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
-            state, progress = ckpt.restore(ckpt.latest_step(), abstract)
+            state, progress = ckpt.restore(ckpt.latest_step(),
+                                           _placed_abstract(p.learner, abstract))
             fresh = _fresh_progress(len(cfg.train.seeds))
             lacking = sorted(set(fresh) - set(progress if isinstance(progress, dict) else {}))
             if lacking:
