@@ -40,12 +40,12 @@ def _cli(args: list[str], **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, check=False, **kw)
 
 
-def _launch(cfg: Path, out: Path, *extra: str, per_process: tuple = ((), ())) -> list:
+def _launch(cfg: Path, out: Path, *extra: str) -> list:
     port = _free_port()
     return [subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "distributed_cli.py"), "--config", str(cfg),
          "--output-dir", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-         "--process-id", str(i), *extra, *per_process[i]], cwd=REPO, env=_env(),
+         "--process-id", str(i), *extra], cwd=REPO, env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
@@ -73,18 +73,18 @@ def test_two_processes_train_what_one_process_trains_on_two_devices(tmp_path):
     # Every process but 0 runs with probes (tests/distributed_cli.py): it may not write the
     # run folder, and its own validation Sharpe is negated. The run is killed mid-fold 0 and
     # resumed, and must still end as one process on two devices does, bit for bit.
-    overrides = ("train.epochs_per_fold=3", "train.iters_per_epoch=12",
+    overrides = ("train.epochs_per_fold=3", "train.iters_per_epoch=8",
                  "checkpoint.async_save=false")
     one = tmp_path / "one.toml"
     one.write_text(tiny_toml("parallel.n_devices=2", *overrides))
     multi = tmp_path / "multi.toml"
     multi.write_text(tiny_toml("parallel.n_devices=0", "parallel.distributed=true", *overrides))
-    ref = _cli(["--config", str(one), "--output-dir", str(tmp_path / "ref")],
-               env=_env("--xla_force_host_platform_device_count=2"))
-    assert ref.returncode == 0, ref.stderr[-2000:]
-
+    ref = subprocess.Popen([sys.executable, "-m", "jdqn.main", "--config", str(one),
+                            "--output-dir", str(tmp_path / "ref")], cwd=REPO,
+                           env=_env("--xla_force_host_platform_device_count=2"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = tmp_path / "multi"
-    procs = _launch(multi, out)
+    procs = _launch(multi, out)  # (beside the reference run: compiling is most of both)
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "checkpoints" / "2" / "commit_success.txt"
                                            ).exists():
@@ -99,16 +99,15 @@ def test_two_processes_train_what_one_process_trains_on_two_devices(tmp_path):
                        f"{killed[1].stderr[-3000:]}"
     assert not (out / "report.json").exists()
 
-    # Started unlike each other, or without --resume on the folder: every process stops with
-    # the same one-line error, process 0's verdict included.
-    bad = _wait(_launch(multi, out, "--resume", per_process=((), ("--set", "train.lr=0.1"))))
-    for r in bad:
-        assert r.returncode == 2 and "process 1's config differs from process 0's" in r.stderr
+    # Relaunched without --resume on the folder: process 0 refuses it, and process 1 stops
+    # with it rather than waiting for process 0 in a collective.
     bad = _wait(_launch(multi, out))
     assert bad[0].returncode == 2 and "already holds files; pass --resume" in bad[0].stderr
     assert bad[1].returncode == 2 and ("process 0 failed checking the run folder: output dir"
                                        in bad[1].stderr)
 
+    (ref,) = _wait([ref])
+    assert ref.returncode == 0, ref.stderr[-2000:]
     runs = _wait(_launch(multi, out, "--resume"))
     for i, r in enumerate(runs):
         assert r.returncode == 0, f"process {i}: {r.stderr[-3000:]}"
@@ -182,3 +181,40 @@ def test_run_job_refuses_distributed_without_joining(tmp_path):
     with pytest.raises(ConfigError, match="has not joined a multi-process job"):
         job.run_job(tiny_config("parallel.distributed=true"), tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_processes_started_unlike_or_failing_alone_stop_together(monkeypatch):
+    # The exchange itself is the two-process test's; here, what each process concludes from
+    # what the others sent (a fake two-process all-gather, seen from process 0 and from 1).
+    import jax
+
+    from jdqn.errors import DistributedError
+
+    monkeypatch.setattr(distributed, "process_count", lambda: 2)
+    for me in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda me=me: me)
+        others = {"config": "abc", "--resume": False}
+
+        def gather(obj, others=others, me=me):
+            return [obj, others] if me == 0 else [others, obj]
+
+        monkeypatch.setattr(distributed, "allgather_json", gather)
+        distributed.same_everywhere({"config": "abc", "--resume": False})  # alike: no error
+        with pytest.raises(DistributedError, match=r"process 1's --resume differs from process "
+                                                   r"0's \('True' vs 'False'\)|process 1's "
+                                                   r"--resume differs from process 0's "
+                                                   r"\('False' vs 'True'\)"):
+            distributed.same_everywhere({"config": "abc", "--resume": True})
+
+        # a failure elsewhere: every other process raises naming it; the one that failed
+        # raises its own error
+        monkeypatch.setattr(distributed, "allgather_json",
+                            lambda obj, me=me: [obj, "disk full"] if me == 0 else
+                            ["disk full", obj])
+        if me == 0:
+            with pytest.raises(DistributedError, match="process 1 failed writing: disk full"), \
+                    distributed.together("writing"):
+                pass
+        else:
+            with pytest.raises(OSError, match="disk full"), distributed.together("writing"):
+                raise OSError("disk full")
