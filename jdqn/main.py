@@ -344,6 +344,8 @@ def cli() -> None:
         # during interpreter teardown, burying the one-line error: skip that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
+        if "jdqn.train.distributed" in sys.modules:  # multi-host: leave the job first
+            sys.modules["jdqn.train.distributed"].shutdown()
         os._exit(code)
     sys.exit(code)
 

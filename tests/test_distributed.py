@@ -201,10 +201,13 @@ def test_processes_started_unlike_or_failing_alone_stop_together(monkeypatch):
         monkeypatch.setattr(distributed, "allgather_json", gather)
         distributed.same_everywhere({"config": "abc", "--resume": False})  # alike: no error
         with pytest.raises(DistributedError, match=r"process 1's --resume differs from process "
-                                                   r"0's \('True' vs 'False'\)|process 1's "
-                                                   r"--resume differs from process 0's "
-                                                   r"\('False' vs 'True'\)"):
+                                                   r"0's \((true vs false|false vs true)\)"):
             distributed.same_everywhere({"config": "abc", "--resume": True})
+        # a key only one process sends is a difference too, seen by every process
+        monkeypatch.setattr(distributed, "allgather_json",
+                            lambda obj: [{"config": "abc", "extra": 1}, {"config": "abc"}])
+        with pytest.raises(DistributedError, match="process 1's extra differs"):
+            distributed.same_everywhere({"config": "abc"})
 
         # a failure elsewhere: every other process raises naming it; the one that failed
         # raises its own error

@@ -44,6 +44,7 @@ before the process exits; :meth:`close` does).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -183,12 +184,29 @@ def _checksum(x: Any, xp: Any) -> tuple[Any, Any]:
                         dtype=xp.uint32) for a, c in _LANES)
 
 
-@jax.jit
-def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
-    """All leaves' checksum lanes as one uint32 ``[n, 2]`` array (one device→host transfer)."""
+def _checksum_lanes(leaves: list[jax.Array]) -> jax.Array:
     if not leaves:
         return jnp.zeros((0, 2), jnp.uint32)
     return jnp.stack([jnp.stack(_checksum(x, jnp)) for x in leaves])
+
+
+_checksums_jit = jax.jit(_checksum_lanes)
+
+
+def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
+    """All leaves' checksum lanes as one uint32 ``[n, 2]`` array (one device→host transfer).
+    Over a mesh that spans processes, the result is asked for replicated, so that every
+    process can read it (XLA would otherwise be free to leave it split)."""
+    mesh = next((x.sharding.mesh for x in leaves
+                 if isinstance(x.sharding, jax.sharding.NamedSharding)
+                 and not x.sharding.is_fully_addressable), None)
+    return (_checksums_jit if mesh is None else _replicated_checksums(mesh))(leaves)
+
+
+@functools.cache
+def _replicated_checksums(mesh: jax.sharding.Mesh):
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(_checksum_lanes, out_shardings=rep)
 
 
 def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
@@ -232,10 +250,10 @@ def _key_impls(state: PyTree) -> dict[str, str]:
 
 
 def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]) -> PyTree:
-    """Typed PRNG keys back from their saved key data; every array re-made *uncommitted* (as
-    a fresh run's arrays are: orbax returns arrays committed to a device, and committedness is
-    part of jit's cache key, so the first epoch after a resume would compile the whole program
-    a second time)."""
+    """Typed PRNG keys back from their saved key data; every one-device array re-made
+    *uncommitted* (as a fresh run's arrays are: orbax returns arrays committed to a device, and
+    committedness is part of jit's cache key, so the first epoch after a resume would compile
+    the whole program a second time)."""
     flat_abs, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     # (Arrays restored over several devices stay as they are: a fresh data-parallel state is
     # committed to the same layout.)

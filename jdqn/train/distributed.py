@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import time
@@ -48,7 +49,8 @@ from jdqn.config import ConfigError
 from jdqn.errors import DistributedError
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
-CONNECT_TIMEOUT_S = 120.0  # how long a process waits for process 0's coordinator to listen
+CONNECT_TIMEOUT_S = 300.0  # how long a process waits for process 0's coordinator (JAX's own
+#                            initialisation timeout)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -78,8 +80,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         # JAX aborts the process (no Python error) when the coordinator never answers: wait for
         # it here first, so that an unreachable address is a one-line error.
         _wait_for(m["host"].strip("[]"), int(m["port"]), coordinator)
-    import os
-
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         try:  # CPU processes exchange collectives through gloo (no effect on GPU)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -182,7 +182,7 @@ def together(what: str) -> Iterator[None]:
     error = None
     try:
         yield
-    except Exception as e:  # every failure is shared, then re-raised
+    except (Exception, KeyboardInterrupt, SystemExit) as e:  # shared, then re-raised
         if process_count() == 1:
             raise
         error = e
@@ -195,11 +195,23 @@ def same_everywhere(values: dict[str, Any]) -> None:
     if process_count() == 1:
         return
     everyone = allgather_json(values)
-    for key in values:
+    keys = list(dict.fromkeys(k for v in everyone for k in v))  # the same order everywhere
+    for key in keys:
         odd = [i for i, v in enumerate(everyone) if v.get(key) != everyone[0].get(key)]
         if odd:
-            mine, theirs = (str(everyone[i].get(key))[:200] for i in (odd[0], 0))
+            mine, theirs = (json.dumps(everyone[i].get(key))[:200] for i in (odd[0], 0))
             raise DistributedError(
                 f"the processes were not started alike: process {odd[0]}'s {key} differs "
-                f"from process 0's ({mine!r} vs {theirs!r}); start every process with the same "
+                f"from process 0's ({mine} vs {theirs}); start every process with the same "
                 "config, --set overrides, --resume, --output-dir and data")
+
+
+def shutdown() -> None:
+    """Leave the multi-process job now (before ``os._exit``, which skips JAX's exit hook: the
+    other processes would then wait for this one at JAX's shutdown barrier until its timeout).
+    No-op when this process has not joined one."""
+    import jax
+
+    with contextlib.suppress(Exception):  # leaving anyway; JAX's timeout is the fallback
+        if jax.distributed.is_initialized():
+            jax.distributed.shutdown()

@@ -246,12 +246,16 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
         # The CLI refuses a non-empty folder itself (and then writes config.toml into it); a
         # caller of this function gets the same protection for another run's outputs.
         # Multi-host: process 0 looks (the others would see its first files) and tells all.
-        held = distributed.broadcast_json(_held_outputs(out) if distributed.is_primary()
-                                          else None)
+        held = None
+        with distributed.together("checking the run folder"):
+            if distributed.is_primary():
+                held = _held_outputs(out)
+        held = distributed.broadcast_json(held)
         if held:
             raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume it "
                                   "(resume=True, CLI --resume) or choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
+    with distributed.together("creating the run folder"):
+        out.mkdir(parents=True, exist_ok=True)
     with distributed.together("building the data"):
         p = prepare(cfg)
     # Multi-host: every process must have read the same data under the same config.
@@ -384,10 +388,12 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                                                                          strict=True)]
 
             # A frozen seed's params did not move: its last validation still holds.
-            val = [last_val[s] if not active[s] and last_val[s] is not None else
-                   compute_metrics(evaluate_params(cfg, p, val_params,
-                                                   seed_slice(state.params, s), *fold.val), p.ppy)
-                   for s in range(n_seeds)]
+            with distributed.together("validating"):  # (one-device backtests: no collective)
+                val = [last_val[s] if not active[s] and last_val[s] is not None else
+                       compute_metrics(evaluate_params(cfg, p, val_params,
+                                                       seed_slice(state.params, s), *fold.val),
+                                       p.ppy)
+                       for s in range(n_seeds)]
             # Multi-host: process 0's validation decides for every process (identical on
             # CPU; on GPUs each process compiles its own backtest and could round otherwise).
             val = distributed.broadcast_json(val)
