@@ -245,15 +245,13 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     if not resume:
         # The CLI refuses a non-empty folder itself (and then writes config.toml into it); a
         # caller of this function gets the same protection for another run's outputs.
-        # Multi-host: process 0 looks (the others would see its first files) and tells all.
-        held = None
+        # Multi-host: process 0 looks (the others would see its first files); its refusal
+        # reaches the others through `together`.
         with distributed.together("checking the run folder"):
-            if distributed.is_primary():
-                held = _held_outputs(out)
-        held = distributed.broadcast_json(held)
-        if held:
-            raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume it "
-                                  "(resume=True, CLI --resume) or choose another folder")
+            held = _held_outputs(out) if distributed.is_primary() else []
+            if held:
+                raise CheckpointError(f"{out} already holds a run ({', '.join(held)}); resume "
+                                      "it (resume=True, CLI --resume) or choose another folder")
     with distributed.together("creating the run folder"):
         out.mkdir(parents=True, exist_ok=True)
     with distributed.together("building the data"):
