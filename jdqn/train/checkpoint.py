@@ -190,9 +190,6 @@ def _checksum_lanes(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.stack(_checksum(x, jnp)) for x in leaves])
 
 
-_checksums_jit = jax.jit(_checksum_lanes)
-
-
 def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
     """All leaves' checksum lanes as one uint32 ``[n, 2]`` array (one device→host transfer).
     Over a mesh that spans processes, the result is asked for replicated, so that every
@@ -200,11 +197,13 @@ def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
     mesh = next((x.sharding.mesh for x in leaves
                  if isinstance(x.sharding, jax.sharding.NamedSharding)
                  and not x.sharding.is_fully_addressable), None)
-    return (_checksums_jit if mesh is None else _replicated_checksums(mesh))(leaves)
+    return _checksums_over(mesh)(leaves)
 
 
 @functools.cache
-def _replicated_checksums(mesh: jax.sharding.Mesh):
+def _checksums_over(mesh: jax.sharding.Mesh | None):
+    if mesh is None:
+        return jax.jit(_checksum_lanes)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(_checksum_lanes, out_shardings=rep)
 
