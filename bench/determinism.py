@@ -1,9 +1,9 @@
 """Run-to-run determinism of the training epoch on the current device.
 
 Runs ``--epochs`` jitted epochs (collection, PER, updates — the trainer's own ``make_epoch_fn``)
-twice from the same seed in one process and compares every leaf of the final ``TrainState``
-bitwise; prints one JSON object with the state's sha256 and the XLA flags it ran under. Within
-one process the GPU program is deterministic without flags. Across processes compare the
+twice from the same seed in one process (the second run with any ``--second-set`` overrides)
+and compares every leaf of the final ``TrainState`` bitwise; prints one JSON object with the
+state's sha256 and the XLA flags it ran under. Within one process the GPU program is deterministic without flags. Across processes compare the
 ``state_sha256`` of two runs: a fresh compilation may autotune other kernels, so pin them as
 the CLI's ``--autotune-file`` does (first run records, second loads) or use XLA's determinism
 flags (docs/training.md, "Determinism"):
@@ -61,9 +61,13 @@ def main() -> None:
     ap.add_argument("--config", default="configs/quickstart.toml")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--second-set", dest="second_sets", action="append", default=[],
+                    help="override for the second run only: checks that a setting leaves the "
+                         "results unchanged, e.g. --second-set train.gpu_graphs=xla")
     args = ap.parse_args()
     cfg = load_config(args.config, ["data.cache_dir=''", *args.sets])
-    (s1, l1), (s2, l2) = run(cfg, args.epochs), run(cfg, args.epochs)
+    cfg2 = load_config(args.config, ["data.cache_dir=''", *args.sets, *args.second_sets])
+    (s1, l1), (s2, l2) = run(cfg, args.epochs), run(cfg2, args.epochs)
     d1, names = digest(s1)
     d2, _ = digest(s2)
     differing = [n for n, a, b in zip(names, jax.tree.leaves(s1), jax.tree.leaves(s2),
@@ -73,7 +77,9 @@ def main() -> None:
                      if jnp.issubdtype(b.dtype, jax.dtypes.prng_key) else b))]
     dev = jax.devices()[0]
     print(json.dumps({
-        "bench": "determinism", "config": args.config, "sets": args.sets, "epochs": args.epochs,
+        "bench": "determinism", "config": args.config, "sets": args.sets,
+        "second_sets": args.second_sets, "gpu_graphs": [cfg.train.gpu_graphs, cfg2.train.gpu_graphs],
+        "epochs": args.epochs,
         "bitwise_identical": d1 == d2, "state_sha256": [d1, d2], "differing_leaves": differing[:20],
         "n_leaves": len(names), "final_loss": [l1, l2],
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": getattr(dev, "device_kind", ""),

@@ -40,7 +40,7 @@ import jdqn.pallas
 from jdqn.config import apply_overrides, config_from_dict, load_config
 from jdqn.train import epoch as epoch_lib
 from jdqn.train import job as job_lib
-from jdqn.train import parallel
+from jdqn.train import parallel, xla_options
 from jdqn.train.state import seed_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,8 @@ def filled_update_loop(cfg, n_updates: int):
     learner = p.learner
     fold = jnp.asarray(0, jnp.int32)
 
-    @functools.partial(parallel.on_devices, n_devices=learner.n_devices)
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices,
+                       gpu_graphs=cfg.train.gpu_graphs)
     def fill(st):
         def body(s, _):
             s, chunk, _ = epoch_lib.collect(learner, s, env_params)
@@ -75,7 +76,8 @@ def filled_update_loop(cfg, n_updates: int):
 
         return jax.lax.scan(body, st, None, length=4)[0]
 
-    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P())
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
+                       gpu_graphs=cfg.train.gpu_graphs)
     def updates(st):
         def body(s, _):
             s, m = epoch_lib.train_step(learner, s, env_params, fold)
@@ -101,7 +103,8 @@ def bench_collect(cfg, repeats: int) -> dict:
     learner = p.learner
     one = jax.tree.map(lambda x: x[0], state)
 
-    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P())
+    @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
+                       gpu_graphs=cfg.train.gpu_graphs)
     def collect(st):
         def body(s, _):
             s, _, stats = epoch_lib.collect(learner, s, env_params)
@@ -132,7 +135,13 @@ def bench_epoch(cfg, repeats: int) -> dict:
     return {"seconds_per_epoch": best, "iters_per_epoch": c.iters_per_epoch,
             "updates_per_epoch": c.iters_per_epoch * c.updates_per_iter,
             "env_steps_per_epoch": c.iters_per_epoch * c.collect_steps * cfg.env.n_envs,
-            "compilations": int(fn._cache_size())}
+            "compilations": int(fn._cache_size()), "peak_device_bytes": _peak_bytes()}
+
+
+def _peak_bytes() -> int | None:
+    """The device's peak allocation so far (None where JAX does not report it: the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def _as_dict(cfg) -> dict:
@@ -187,7 +196,9 @@ def main() -> None:
                                                        "expert_hidden", "n_atoms", "iqn")},
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "n_devices": base.parallel.n_devices, "device_count": jax.device_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_graphs": base.train.gpu_graphs,
+        "compiler_options": xla_options.compiler_options(base.train.gpu_graphs),
+        "jax": jax.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "complete": False, "updates": [],

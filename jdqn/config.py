@@ -263,6 +263,11 @@ class TrainConfig:
     finite_checks: bool = True  # halt naming the first non-finite tensor
     q_drift_halt: bool = True  # reject a model whose |mean Q| explodes
     q_drift_floor: float = fld(10.0, ge=0)
+    # GPU only: "concurrent" compiles the epoch so that its CUDA graphs run independent kernels
+    # side by side and capture whole loops (jdqn/train/xla_options.py): on the H200 the update
+    # is 11-16 % faster but the gpu.toml epoch 24 % slower, same results; "xla" = XLA's default
+    # graphs. Ignored on the CPU.
+    gpu_graphs: Literal["concurrent", "xla"] = "xla"
 
 
 @dataclass(frozen=True)

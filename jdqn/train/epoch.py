@@ -27,7 +27,7 @@ from jdqn.losses.total import Batch, total_loss, warmup_alpha
 from jdqn.networks.model import greedy_action, policy_aux
 from jdqn.replay import nstep as nstep_lib
 from jdqn.replay import per
-from jdqn.train import parallel, safety
+from jdqn.train import parallel, safety, xla_options
 from jdqn.train.optim import global_norm
 from jdqn.train.state import CHECKED_TENSORS, Learner, StepRecord, TrainState, Transition
 
@@ -385,7 +385,7 @@ def make_epoch_fn(learner: Learner):
             new = select_seeds(active, new, state)
         return new, out
 
-    jitted = jax.jit(run, donate_argnums=(0,))
+    jitted = xla_options.jit(run, c.gpu_graphs, donate_argnums=(0,))
     if mesh is None:
         return jitted
 

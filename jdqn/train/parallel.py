@@ -57,6 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdqn.config import Config, ConfigError, check_divides
+from jdqn.train import xla_options
 
 AXIS = "data"
 Array = jax.Array
@@ -199,13 +200,15 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def on_devices(fn: Any, n_devices: int, extra_out: Any = None) -> Any:
+def on_devices(fn: Any, n_devices: int, extra_out: Any = None,
+               gpu_graphs: str = "xla") -> Any:
     """``jax.jit(fn)`` for ``fn(one seed's state) -> state`` or ``-> (state, extra)``; with
     ``n_devices > 1`` under ``shard_map``, the state placed by :func:`state_specs` as the epoch
     places it (``extra`` is laid out by the spec ``extra_out``; ``P()`` returns device 0's).
-    For benchmarks and tests that run pieces of the epoch (collect, train_step) alone."""
+    For benchmarks and tests that run pieces of the epoch (collect, train_step) alone; compiled
+    with the epoch's GPU options for ``gpu_graphs`` (``train.gpu_graphs``)."""
     if n_devices == 1:
-        return jax.jit(fn)
+        return xla_options.jit(fn, gpu_graphs)
     mesh = make_mesh(n_devices)
 
     def sharded(st):
@@ -214,7 +217,7 @@ def on_devices(fn: Any, n_devices: int, extra_out: Any = None) -> Any:
         return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out,
                              check_vma=False)(st)
 
-    return jax.jit(sharded)
+    return xla_options.jit(sharded, gpu_graphs)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

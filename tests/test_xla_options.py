@@ -1,0 +1,66 @@
+"""``train.gpu_graphs``: which XLA options the training programs are compiled with, and that they
+reach the compilations (the GPU timing and bitwise checks are in bench/results)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_config
+
+from jdqn.config import Config
+from jdqn.train import epoch as epoch_lib
+from jdqn.train import job as job_lib
+from jdqn.train import parallel, xla_options
+from jdqn.train.state import seed_keys
+
+
+def test_options_only_on_the_gpu_and_only_with_concurrent():
+    full = xla_options.compiler_options("concurrent", backend="gpu", xla_flags="")
+    assert full == xla_options.CONCURRENT_GRAPHS
+    assert full["xla_gpu_command_buffer_scheduling_mode"] == "CONCURRENT"
+    assert "WHILE" in full["xla_gpu_enable_command_buffer"].split(",")
+    assert xla_options.compiler_options("concurrent", backend="cpu", xla_flags="") is None
+    assert xla_options.compiler_options("xla", backend="gpu", xla_flags="") is None
+    with pytest.raises(ValueError, match="gpu_graphs"):
+        xla_options.compiler_options("fast", backend="gpu", xla_flags="")
+    # The default is XLA's own graphs: "concurrent" made the gpu.toml epoch slower on the H200.
+    assert xla_options.compiler_options(Config().train.gpu_graphs, backend="gpu") is None
+
+
+def test_a_key_set_in_xla_flags_is_left_to_the_user():
+    flags = "--xla_gpu_deterministic_ops=true --xla_gpu_command_buffer_scheduling_mode=LHS"
+    opts = xla_options.compiler_options("concurrent", backend="gpu", xla_flags=flags)
+    assert opts == {"xla_gpu_enable_command_buffer":
+                    xla_options.CONCURRENT_GRAPHS["xla_gpu_enable_command_buffer"]}
+    both = flags + " --xla_gpu_enable_command_buffer="
+    assert xla_options.compiler_options("concurrent", backend="gpu", xla_flags=both) is None
+
+
+def test_this_jax_accepts_the_options():
+    """XLA parses the option values (enum names) on every backend: a typo or a command type this
+    JAX does not know fails here, on the CPU, instead of at the first GPU run."""
+    f = jax.jit(lambda x: jnp.sin(x) * 2, compiler_options=xla_options.CONCURRENT_GRAPHS)
+    np.testing.assert_array_equal(f(jnp.arange(3.0)), jnp.sin(jnp.arange(3.0)) * 2)
+
+
+def _bogus(gpu_graphs, backend=None, xla_flags=None):
+    return {"xla_gpu_command_buffer_scheduling_mode": "NOT_A_MODE"}
+
+
+def test_the_epoch_and_the_bench_pieces_are_compiled_with_the_options(monkeypatch):
+    """The options reach the epoch's compilation and ``parallel.on_devices``': an invalid one,
+    patched in, makes both fail to compile (without the plumbing both would run)."""
+    cfg = tiny_config("train.gpu_graphs=concurrent")
+    p = job_lib.prepare(cfg)
+    env_params = job_lib.fold_env_params(cfg, p, 0)
+    state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
+    monkeypatch.setattr(xla_options, "compiler_options", _bogus)
+    fn = epoch_lib.make_epoch_fn.__wrapped__(p.learner)  # not the cached program
+    with pytest.raises(Exception, match="NOT_A_MODE"):
+        fn(state, env_params, jnp.asarray(0, jnp.int32))
+    one = jax.tree.map(lambda x: x[0], state)
+    step = parallel.on_devices(lambda s: epoch_lib.collect(p.learner, s, env_params)[0], 1)
+    with pytest.raises(Exception, match="NOT_A_MODE"):
+        step(one)
