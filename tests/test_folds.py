@@ -137,9 +137,13 @@ def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser
         return real(cfg, p, env_params, params, lo, hi)
 
     monkeypatch.setattr(job_lib, "evaluate_params", spy)
-    cfg = tiny_config("train.epochs_per_fold=1", "logging.tensorboard=false")
-    job_lib.run_job(cfg, tmp_path, quiet=True)
+    # Strided evaluation (2-bar bars), so that a whole job also shows its annualisation: the
+    # report's periods per year are half the per-bar figure (compute_metrics refuses any other).
+    cfg = tiny_config("train.epochs_per_fold=1", "logging.tensorboard=false", "eval.stride=2")
+    report = job_lib.run_job(cfg, tmp_path, quiet=True)
     p = job_lib.prepare(cfg)
+    per_bar = job_lib.prepare(tiny_config("train.epochs_per_fold=1")).ppy
+    assert report["stride"] == 2 and report["annualization_periods"] == per_bar / 2
     n_folds = len(p.plan.folds)
     assert len(calls) == n_folds + 1  # one validation per fold (one epoch each), one test
     for f, (lo, hi, feats, training, window) in enumerate(calls[:n_folds]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,7 @@ def test_stride_changes_annualisation_by_exactly_sqrt_k(k):
     assert a["annual_volatility"] / b["annual_volatility"] == pytest.approx(np.sqrt(k), rel=1e-12)
 
 
-def test_trading_metrics_on_a_hand_built_result():
+def _hand_built_result(stride: int = 1):
     from jdqn.evaluate import BacktestResult
 
     pos = np.array([1.0, 1.0, 0.0, -0.5, -0.5, -0.5, 0.0, 0.0])
@@ -106,14 +107,42 @@ def test_trading_metrics_on_a_hand_built_result():
         fill_qty=fill, fill_price=z, filled=fill != 0, trade_closed=closed,
         closed_trade_pnl=closed_pnl, size_scale=np.ones(8),
         actions=np.array([[2, 2, 0, 0]] * 4 + [[1, 0, 1, 2]] * 4, np.int32),
-        initial_equity=1e5, max_position=1.0)
-    m = M.compute_metrics(res, 100.0)
+        initial_equity=1e5, max_position=1.0, stride=stride)
+    return res
+
+
+def test_trading_metrics_on_a_hand_built_result():
+    m = M.compute_metrics(_hand_built_result(), 100.0)
     assert m["n_trades"] == 2 and m["n_entries"] == 2 and m["hit_rate"] == 0.5
     assert m["mean_holding_bars"] == 2.5 and m["exposure"] == 5 / 8
     assert m["turnover"] == pytest.approx((1 + 1 + 0.5 + 0.5) / 8)
     assert m["cost_share"] == pytest.approx(40 / 240)
     assert m["actions"]["direction"] == {"short": 0.0, "hold": 0.5, "long": 0.5, "flat": 0.0}
     assert m["actions"]["urgency"]["urgency_2"] == 0.5
+
+
+def test_a_strided_backtest_needs_periods_per_year_of_its_stride():
+    """The predecessor annualised strided evaluations per bar (Sharpe × √stride). A strided
+    result takes only a figure that says it was divided by that stride."""
+    res = _hand_built_result(stride=2)
+    ppy = M.periods_per_year(60, EvalConfig(stride=2))
+    assert isinstance(ppy, M.PeriodsPerYear) and ppy.stride == 2 and ppy == 252 * 23 * 30
+    m = M.compute_metrics(res, ppy)
+    assert m["sharpe"] == M.return_metrics(res.returns, 252 * 23 * 30)["sharpe"]
+    assert m["annual_turnover"] == m["turnover"] * 252 * 23 * 30
+    with pytest.raises(ValueError, match="stride 2: pass periods_per_year"):
+        M.compute_metrics(res, 252 * 23 * 60.0)  # a plain number: per bar or not, unknown
+    with pytest.raises(ValueError, match="is for stride 1 but the backtest ran at stride 2"):
+        M.compute_metrics(res, M.periods_per_year(60, EvalConfig()))
+    assert M.compute_metrics(res, M.PeriodsPerYear(1000.0, stride=2))["n_trades"] == 2
+    with pytest.raises(ValueError, match="is for stride 2 but the backtest ran at stride 1"):
+        M.compute_metrics(_hand_built_result(), ppy)
+    # A stride-1 backtest takes a plain number too; the figure is a float everywhere else.
+    assert M.compute_metrics(_hand_built_result(), 100.0)["n_bars"] == 8
+    assert json.loads(json.dumps({"p": ppy})) == {"p": 252 * 23 * 30}
+    assert float(ppy) * 2 == 252 * 23 * 60 and "stride=2" in repr(ppy)
+    with pytest.raises(ValueError, match="stride must be"):
+        M.PeriodsPerYear(1.0, stride=0)
 
 
 def test_sharpe_standard_error_and_psr_against_scipy_moments():

@@ -29,7 +29,7 @@ annualised strided evaluations as if every bar were evaluated and over-reported 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -40,11 +40,31 @@ RETURN_KEYS = ("total_return", "annual_return", "annual_volatility", "sharpe", "
                "psr", "sortino", "calmar", "max_drawdown", "n_bars", "annualization_periods")
 
 
-def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> float:
+class PeriodsPerYear(float):
+    """A periods-per-year figure that remembers the evaluation stride it is for (what
+    :func:`periods_per_year` returns). :func:`compute_metrics` checks it against the backtest's
+    own stride, so a strided backtest cannot be annualised as if every bar were evaluated. It is
+    a ``float`` everywhere else."""
+
+    __slots__ = ("stride",)
+
+    def __new__(cls, value: float, stride: int) -> Self:
+        if int(stride) < 1:
+            raise ValueError(f"stride must be ≥ 1, got {stride}")
+        obj = super().__new__(cls, value)
+        obj.stride = int(stride)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"PeriodsPerYear({float(self)!r}, stride={self.stride})"
+
+
+def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> PeriodsPerYear:
     """Evaluation periods per year for bars of ``bar_seconds``, corrected for ``eval_cfg.stride``:
     ``sessions_per_year × bars per session``, where a session holds
     ``session_hours · 3600 / bar_seconds`` bars but never fewer than one (a daily bar is one
-    period per session, not 23/24 of one)."""
+    period per session, not 23/24 of one). The result carries the stride
+    (:class:`PeriodsPerYear`)."""
     if eval_cfg.periods_per_year > 0:
         base = float(eval_cfg.periods_per_year)
     else:
@@ -52,7 +72,7 @@ def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> float:
             raise ValueError(f"bar_seconds must be > 0, got {bar_seconds}")
         per_session = max(1.0, eval_cfg.session_hours * 3600.0 / float(bar_seconds))
         base = eval_cfg.sessions_per_year * per_session
-    return base / eval_cfg.stride
+    return PeriodsPerYear(base / eval_cfg.stride, eval_cfg.stride)
 
 
 def total_return(r: np.ndarray) -> float:
@@ -169,10 +189,24 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
     bars in a position, ``turnover`` mean |Δposition| / max_position per bar (and per year),
     ``cost_share`` total costs / |gross PnL| (> 1: costs exceed the gross edge), dollar totals,
     mean sizing scale, and the action distribution per branch.
+
+    For a backtest ``result``, ``periods_per_year`` must be for the stride it ran at: a
+    :class:`PeriodsPerYear` of the same stride (as :func:`periods_per_year` returns it), or a
+    plain number for a stride-1 backtest. Anything else raises ``ValueError``: a strided
+    backtest annualised per bar over-reports Sharpe by √stride (the predecessor's bug).
     """
     if not hasattr(result, "returns"):
         return return_metrics(result, periods_per_year)
     res = result
+    given = getattr(periods_per_year, "stride", None)
+    if (given if given is not None else 1) != res.stride:
+        raise ValueError(
+            f"periods_per_year {float(periods_per_year):.6g} is for stride {given} but the "
+            f"backtest ran at stride {res.stride}" if given is not None else
+            f"the backtest ran at stride {res.stride}: pass periods_per_year(bar_seconds, "
+            f"eval_cfg) of an EvalConfig with stride={res.stride}, or "
+            f"PeriodsPerYear(value, stride={res.stride}) for a figure already divided by the "
+            f"stride; a plain number cannot show that it was")
     out: dict[str, Any] = return_metrics(res.returns, periods_per_year)
     n = max(res.n_bars, 1)
     sign = np.sign(res.position)
