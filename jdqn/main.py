@@ -245,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                               "true (every process would record its own kernel choices into "
                               "the one file); use XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                               "for bitwise reproducible multi-host runs")
+        existed = args.output_dir is not None and Path(args.output_dir).exists()
         out = None if multi else resolve_output_dir(args.config, args.output_dir, args.resume)
-        with _autotune(args.autotune_file) as autotune:
+        fresh = out if not (multi or args.resume) else None  # this invocation's new run
+        with _autotune(args.autotune_file) as autotune, _discard_if_unstarted(fresh, existed):
             if multi:
                 from jdqn.train import distributed
 
@@ -283,6 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jdqn: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _discard_if_unstarted(out: Path | None, existed: bool):
+    """A new run that fails before it has written anything but its ``config.toml`` (bad data,
+    a config error found while preparing, Ctrl-C while building features) leaves no run
+    behind: the ``config.toml`` goes, and the folder too if this invocation created it. The
+    folder can then be used again without ``--resume``, and failed attempts leave no empty runs
+    in ``runs/``. A run that got further (logs, checkpoints) keeps everything."""
+    try:
+        yield
+    except BaseException:
+        if out is not None and out.is_dir() and [p.name for p in out.iterdir()] == ["config.toml"]:
+            (out / "config.toml").unlink()
+            if not existed:
+                out.rmdir()
+        raise
 
 
 def _primary_prepares_the_folder(cfg: Config, args: argparse.Namespace) -> Path:

@@ -118,6 +118,28 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
                       "--resume needs --output-dir")
 
 
+def test_a_run_that_fails_before_starting_leaves_no_run_behind(tmp_path, monkeypatch):
+    """Bad data stops the run before anything but config.toml is written: the folder is not
+    left holding a run that blocks a corrected retry (or litters runs/)."""
+    cfg = ticks_config(tmp_path, GOOD_TICKS)
+    good = cfg.read_text()
+    cfg.write_text(good.replace(str(tmp_path / "ticks.csv"), str(tmp_path / "gone.csv")))
+    out = tmp_path / "o"
+    for _ in range(2):  # the retry fails on the data again, not on the folder
+        assert_user_error(run_cli("--config", str(cfg), "--output-dir", str(out)), "gone.csv")
+        assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()  # an empty folder the user made stays, empty
+    assert_user_error(run_cli("--config", str(cfg), "--output-dir", str(kept)), "gone.csv")
+    assert kept.is_dir() and not any(kept.iterdir())
+    assert_user_error(run_cli("--config", str(cfg), cwd=tmp_path), "gone.csv")
+    assert not (tmp_path / "runs" / "cfg").exists() or not any((tmp_path / "runs" / "cfg").iterdir())
+    # A resume never discards: its folder is the user's run.
+    (kept / "config.toml").write_text("keep me")
+    res = run_cli("--config", str(cfg), "--output-dir", str(kept), "--resume")
+    assert res.returncode == 2 and (kept / "config.toml").read_text() == "keep me"
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "run"
     f.write_text("not a folder")

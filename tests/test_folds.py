@@ -14,7 +14,7 @@ from helpers import tiny_config
 
 from jdqn.config import ConfigError, TrainConfig
 from jdqn.train import job as job_lib
-from jdqn.train.folds import MIN_WINDOW, plan_folds
+from jdqn.train.folds import MIN_WINDOW, check_eval_stride, plan_folds
 
 
 @pytest.mark.parametrize("n_bars,warmup,n_folds,purge,train_frac,test_frac", [
@@ -56,6 +56,23 @@ def test_too_few_bars_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"fold 0: its train window has"):
         plan_folds(400, 20, TrainConfig(n_folds=3, train_frac=0.01, test_frac=0.1,
                                         purge_bars=0))
+
+
+def test_an_eval_stride_too_long_for_a_window_is_refused_before_training(monkeypatch):
+    plan = plan_folds(3000, 50, TrainConfig(n_folds=2))
+    lens = [hi - 1 - lo for lo, hi in [f.val for f in plan.folds] + [plan.test]]
+    largest = min(n // (MIN_WINDOW - 1) for n in lens)
+    check_eval_stride(plan, largest)  # every window keeps ≥ MIN_WINDOW − 1 periods
+    for k in (1, 2):
+        assert all((n // k) >= MIN_WINDOW - 1 for n in lens)
+        check_eval_stride(plan, k)
+    with pytest.raises(ConfigError, match=rf"eval.stride = {largest + 1} leaves fold 0's "
+                                          rf"validation window .* allow eval.stride ≤ {largest}"):
+        check_eval_stride(plan, largest + 1)
+    # In a job: refused in prepare(), before anything is compiled or trained.
+    monkeypatch.setattr(job_lib, "Learner", None)  # building the learner would be a failure
+    with pytest.raises(ConfigError, match="eval.stride = 500 leaves"):
+        job_lib.prepare(tiny_config("eval.stride=500"))
 
 
 def test_each_fold_normalises_on_its_own_train_window_only():

@@ -129,7 +129,11 @@ def test_a_strided_backtest_needs_periods_per_year_of_its_stride():
     assert isinstance(ppy, M.PeriodsPerYear) and ppy.stride == 2 and ppy == 252 * 23 * 30
     m = M.compute_metrics(res, ppy)
     assert m["sharpe"] == M.return_metrics(res.returns, 252 * 23 * 30)["sharpe"]
-    assert m["annual_turnover"] == m["turnover"] * 252 * 23 * 30
+    # Holding time and turnover stay in original bars: each strided period spans 2 of them.
+    one = M.compute_metrics(_hand_built_result(), 100.0)
+    assert m["mean_holding_bars"] == 2 * one["mean_holding_bars"] == 5.0
+    assert m["turnover"] == one["turnover"] / 2 and m["exposure"] == one["exposure"]
+    assert m["annual_turnover"] == pytest.approx(m["turnover"] * 252 * 23 * 60, rel=1e-15)
     with pytest.raises(ValueError, match="stride 2: pass periods_per_year"):
         M.compute_metrics(res, 252 * 23 * 60.0)  # a plain number: per bar or not, unknown
     with pytest.raises(ValueError, match="is for stride 1 but the backtest ran at stride 2"):

@@ -186,7 +186,7 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
     Trading metrics: ``n_trades`` closed trades (a flip closes one and opens another; every
     position is closed by the final forced liquidation), ``hit_rate`` share of closed trades
     with net PnL > 0, ``mean_holding_bars`` bars in a position per entry, ``exposure`` share of
-    bars in a position, ``turnover`` mean |Δposition| / max_position per bar (and per year),
+    time in a position, ``turnover`` mean |Δposition| / max_position per bar (and per year),
     ``cost_share`` total costs / |gross PnL| (> 1: costs exceed the gross edge), dollar totals,
     mean sizing scale, and the action distribution per branch.
 
@@ -216,14 +216,17 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
     closed = res.closed_trade_pnl[res.trade_closed]
     gross = float(res.gross_pnl.sum())
     costs = float(res.total_costs.sum())
+    # Per period of the backtest; a strided backtest's period spans `stride` original bars,
+    # and holding times and turnover are reported per original bar.
+    k = res.stride
     turnover = float(np.abs(res.fill_qty).sum() / res.max_position / n)
     out.update(
         n_trades=int(res.trade_closed.sum()),
         n_entries=entries,
         hit_rate=float((closed > 0).mean()) if len(closed) else float("nan"),
-        mean_holding_bars=float(in_pos / entries) if entries else 0.0,
+        mean_holding_bars=float(in_pos * k / entries) if entries else 0.0,
         exposure=float(in_pos / n),
-        turnover=turnover,
+        turnover=turnover / k,
         annual_turnover=turnover * periods_per_year,
         n_fills=int(res.filled.sum()),
         gross_pnl=gross, net_pnl=float(res.net_pnl.sum()), total_costs=costs,

@@ -66,3 +66,20 @@ def plan_folds(n_bars: int, warmup: int, cfg: TrainConfig) -> FoldPlan:
                                   "train.n_folds or train.purge_bars, or use more data")
         folds.append(Fold(i, (warmup, t_hi), (v_lo, v_hi)))
     return FoldPlan(tuple(folds), test)
+
+
+def check_eval_stride(plan: FoldPlan, stride: int) -> None:
+    """Refuse an ``eval.stride`` that leaves a validation or the test window fewer evaluation
+    periods than a stride-1 backtest of the shortest allowed window has (``MIN_WINDOW − 1``
+    returns), before anything trains: the backtest would otherwise fail at the first
+    validation, or score a fold on a handful of returns."""
+    windows = [(f"fold {f.index}'s validation window", f.val) for f in plan.folds]
+    windows.append(("the test window", plan.test))
+    need = MIN_WINDOW - 1
+    for name, (lo, hi) in windows:
+        periods = (hi - 1 - lo) // stride
+        if periods < need:
+            largest = min((b - 1 - a) // need for _, (a, b) in windows)
+            raise ConfigError(
+                f"eval.stride = {stride} leaves {name} [{lo}, {hi}) {periods} evaluation "
+                f"periods (need ≥ {need}); these windows allow eval.stride ≤ {largest}")

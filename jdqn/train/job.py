@@ -38,7 +38,7 @@ from jdqn.evaluate.metrics import compute_metrics, periods_per_year
 from jdqn.evaluate.report import write_report, write_seed_summary
 from jdqn.train import distributed, parallel, safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
-from jdqn.train.folds import FoldPlan, plan_folds
+from jdqn.train.folds import FoldPlan, check_eval_stride, plan_folds
 from jdqn.train.logger import RunLogger
 from jdqn.train.policy import fold_reset_policy
 from jdqn.train.reset import apply_reset, check_policy_covers
@@ -69,6 +69,7 @@ def prepare(cfg: Config) -> Prepared:
     bars, feats, hit = load_or_build(cfg)
     layout = StateLayout(feats.n_features, cfg.features.state_width)
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
+    check_eval_stride(plan, cfg.eval.stride)
     shortest = min(f.train[1] - f.train[0] for f in plan.folds)
     if shortest < cfg.env.episode_length + 1:
         raise ConfigError(f"env.episode_length = {cfg.env.episode_length} does not fit the "
@@ -277,7 +278,10 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
         state: TrainState | None = None
         if resume:
             if ckpt.latest_step() is None:
-                raise CheckpointError(f"--resume: no checkpoint found in {out / 'checkpoints'}")
+                raise CheckpointError(
+                    f"--resume: no checkpoint found in {out / 'checkpoints'}: the run stopped "
+                    "before its first checkpoint, so there is nothing to resume; start it again "
+                    "in a new --output-dir (or delete this folder)")
             state, progress = ckpt.restore(ckpt.latest_step(),
                                            _placed_abstract(p.learner, abstract))
             fresh = _fresh_progress(len(cfg.train.seeds))
