@@ -56,7 +56,14 @@ def test_report_files_keys_and_columns(tmp_path, backtests):
         assert col in df.columns, col
     assert len(df) == strategy.n_bars
     assert pd.to_datetime(df["timestamp"]).is_monotonic_increasing
-    assert "| strategy |" in (tmp_path / "summary.md").read_text()
+    text = (tmp_path / "summary.md").read_text()
+    assert "| strategy |" in text and "mean_abs_position |" in text
+    # 249 one-minute bars: the summary warns that annualised returns are extrapolations, and
+    # labels the validation figures as the selected (biased) ones.
+    assert f"The window is {249 / ppy:.2%} of a year" in text
+    assert "biased upwards" in text and "same sizing chain" in text
+    write_report(tmp_path / "long", ts, strategy, baselines, folds, M.PeriodsPerYear(100.0, 1))
+    assert "of a year" not in (tmp_path / "long" / "summary.md").read_text()
 
 
 def test_returns_csv_reproduces_the_reported_sharpe(tmp_path, backtests):

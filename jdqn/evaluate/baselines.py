@@ -1,7 +1,10 @@
 """Rule-based baselines, run through the same backtest engine (identical fills and costs).
 
 All send full-magnitude market orders with full conviction (``PolicyAux.confident``) and "hold"
-when their position already has the wanted sign, so they do not pay for needless rebalancing:
+when their position already has the wanted sign, so they do not pay for needless rebalancing.
+Their orders go through the env's sizing chain like the agent's: the Kelly and CVaR factors
+still scale them (a baseline that trades often and loses ends up small), so compare policies by
+Sharpe, not by return:
 
 * ``flat``: never trades;
 * ``buy_and_hold``: goes long at the first decision, holds to the end;

@@ -188,14 +188,25 @@ def _table(first: str, keys: tuple[str, ...] | list[str],
 
 def _summary(path: Path, report: dict[str, Any]) -> None:
     rows = {"strategy": report["test"], **report["baselines"]}
+    n, ppy = report["test"]["n_bars"], report["annualization_periods"]
     lines = ["# Out-of-sample report", "",
-             (f"{report['test']['n_bars']} bars, annualisation "
-              f"{report['annualization_periods']:.6g} periods/year, stride {report['stride']}, "
+             (f"{n} bars, annualisation {ppy:.6g} periods/year, stride {report['stride']}, "
               f"period {report['period']['start']} → {report['period']['end']}."), "",
-             *_table("policy", SUMMARY_KEYS, rows)]
+             *_table("policy", (*SUMMARY_KEYS, "mean_abs_position"), rows), ""]
+    if n < ppy:
+        lines.append(f"The window is {n / ppy:.2%} of a year: `annual_return` and `calmar` "
+                     "compound it up to a year and mean little; read `total_return`, `sharpe` "
+                     "with its standard error `sharpe_se`, and `psr`.")
+    lines.append("Every policy runs through the same sizing chain (conviction, Kelly, CVaR "
+                 "caps), so they hold different average positions (`mean_abs_position`, in "
+                 "contracts, fractional: the engine trades continuous sizes): returns and "
+                 "drawdowns scale with size, Sharpe does not.")
     if report["folds"]:
         keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
         lines += ["", "## Walk-forward validation", "",
+                  "Each fold's best epoch by validation Sharpe, the one early stopping kept: "
+                  "chosen on these very windows, so biased upwards; the test window above is "
+                  "the unbiased estimate.", "",
                   *_table("fold", keys, dict(enumerate(report["folds"])))]
     lines += ["", ("Plots: `plots/equity.png`, `plots/drawdown.png`, `plots/position.png`, "
                    "`plots/actions.png`. Per-bar returns: `returns.csv`."), ""]
