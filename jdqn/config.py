@@ -572,11 +572,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
                           "UTF-8") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: cannot be read ({e.strerror})") from None
-    table = apply_overrides(table, overrides or [])
+    merged = apply_overrides(table, overrides or [])
     try:
-        cfg = config_from_dict(table)
+        cfg = config_from_dict(merged)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        where = str(path)
+        if overrides:  # a file valid on its own: the bad value came from the command line
+            try:
+                config_from_dict(table)
+                where = "--set"
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: {e}") from None
     return resolve_paths(cfg, path.parent)
 
 

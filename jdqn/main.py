@@ -149,7 +149,7 @@ def features_summary(cfg: Config) -> str:
         f"bars: {len(bars.close)} from {cfg.data.source}"
         + (f" ({cfg.data.path})" if cfg.data.path else ""),
         (f"features: {feats.values.shape[1]} columns, warm-up {feats.warmup} bars, "
-         f"cache {'hit' if hit else 'built'}"),
+         f"cache {'off' if not cfg.data.cache_dir else 'hit' if hit else 'built'}"),
         "  " + ", ".join(feats.names),
     ]
     return "\n".join(lines)

@@ -105,6 +105,32 @@ def test_features_only_prints_a_summary(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "bars: 300 from ticks" in res.stdout
     assert "flow_imb" in res.stdout
+    assert "cache off" in res.stdout  # the config sets data.cache_dir = ""
+
+
+def test_data_path_a_folder_and_cache_dir_a_file_are_named(tmp_path):
+    cfg = ticks_config(tmp_path, GOOD_TICKS)
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(cfg.read_text().replace(str(tmp_path / "ticks.csv"), str(folder)))
+    assert_user_error(run_cli("--config", str(bad), "--features-only"),
+                      f"{folder}: is a folder, not a data file")
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("not a folder")
+    res = run_cli("--config", str(cfg), "--features-only", "--set", f"data.cache_dir='{blocker}'")
+    assert_user_error(res, f"data.cache_dir = '{blocker}' is a file, not a folder")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_a_bad_set_value_is_attributed_to_the_command_line(tmp_path):
+    res = run_cli("--config", "configs/quickstart.toml", "--set", "train.batch_size=-1",
+                  "--features-only")
+    assert_user_error(res, "jdqn: error: --set: train.batch_size")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[train]\nbatch_size = -1\n")
+    res = run_cli("--config", str(broken), "--set", "train.lr=1e-3", "--features-only")
+    assert_user_error(res, f"jdqn: error: {broken}: train.batch_size")
 
 
 def test_existing_output_dir_is_never_overwritten(tmp_path):

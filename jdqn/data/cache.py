@@ -32,7 +32,7 @@ import numpy as np
 from jdqn.config import DataConfig, FeaturesConfig, to_dict
 from jdqn.data.bars import Bars
 from jdqn.data.features import FeatureSet, build_features
-from jdqn.data.load import load_bars, resolve_path
+from jdqn.data.load import load_bars, require_file, resolve_path
 from jdqn.errors import CacheError, DataError
 
 SCHEMA_VERSION = 3  # bump when bars/features change meaning or layout (2: event-bar bar_seconds;
@@ -51,8 +51,7 @@ def input_identity(cfg: DataConfig) -> dict[str, Any]:
     if cfg.source == "synthetic":
         return {"synthetic": to_dict(cfg.synthetic)}
     path = resolve_path(cfg.path).resolve()
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found (data.path = {cfg.path!r})")
+    require_file(path, cfg.path)
     try:
         st = path.stat()
         with open(path, "rb") as f:
@@ -172,6 +171,10 @@ def load_or_build(cfg: Any) -> tuple[Bars, FeatureSet, bool]:
     if not data.cache_dir:
         bars = load_bars(data)
         return bars, build_features(bars, features), False
+    folder = Path(data.cache_dir).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise CacheError(f"data.cache_dir = {data.cache_dir!r} is a file, not a folder; point "
+                         "it at a folder (or '' for no cache)")
     path = cache_path(data, features)
     key = cache_key(data, features)
     if path.is_file():

@@ -25,6 +25,14 @@ def resolve_path(path: str) -> Path:
     return Path(path).expanduser()
 
 
+def require_file(path: Path, configured: str) -> None:
+    """Refuse a data path that is not a file, saying whether it is missing or a folder."""
+    if path.is_file():
+        return
+    what = "is a folder, not a data file" if path.is_dir() else "data file not found"
+    raise DataError(f"{path}: {what} (data.path = {configured!r})")
+
+
 def load_bars(cfg: DataConfig) -> Bars:
     """Load the configured input into the canonical bar table."""
     if cfg.source == "synthetic":
@@ -32,8 +40,7 @@ def load_bars(cfg: DataConfig) -> Bars:
 
         return generate(cfg.synthetic)
     path = resolve_path(cfg.path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found (data.path = {cfg.path!r})")
+    require_file(path, cfg.path)
     if cfg.source == "ticks":
         from jdqn.data.tables import load_ticks
 

@@ -28,6 +28,7 @@ from jdqn.data.bars import (
     session_gaps,
     ticks_to_bars,
 )
+from jdqn.data.load import require_file
 from jdqn.errors import DataError
 
 _UNIX = {"unix_s": NS, "unix_ms": 1_000_000, "unix_us": 1_000, "unix_ns": 1}
@@ -68,8 +69,7 @@ def _format_of(path: Path, fmt: str) -> str:
 
 def read_table(path: Path, cfg: DataConfig, string_cols: tuple[str, ...] = ()) -> _Table:
     """Read a CSV (optionally .gz/.bz2/.zst, by extension) or Parquet file with pyarrow."""
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found (data.path = {cfg.path!r})")
+    require_file(path, cfg.path)
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: empty file (0 bytes)")
     fmt = _format_of(path, cfg.format)

@@ -204,9 +204,9 @@ def _summary(path: Path, report: dict[str, Any]) -> None:
     if report["folds"]:
         keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
         lines += ["", "## Walk-forward validation", "",
-                  "Each fold's best epoch by validation Sharpe, the one early stopping kept: "
-                  "chosen on these very windows, so biased upwards; the test window above is "
-                  "the unbiased estimate.", "",
+                  ("Each fold's best epoch by validation Sharpe, the one early stopping kept: "
+                   "chosen on these very windows, so biased upwards; the test window above is "
+                   "the unbiased estimate."), "",
                   *_table("fold", keys, dict(enumerate(report["folds"])))]
     lines += ["", ("Plots: `plots/equity.png`, `plots/drawdown.png`, `plots/position.png`, "
                    "`plots/actions.png`. Per-bar returns: `returns.csv`."), ""]

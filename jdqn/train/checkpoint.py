@@ -476,13 +476,15 @@ class Checkpointer:
                         f"no content checksum is stored for {', '.join(missing)}")
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} is corrupt: {what} (its files changed "
-                    f"after they were written); resume from another checkpoint or start anew")
+                    f"after they were written); delete that step's folder to resume from the "
+                    f"checkpoint before it, or start anew")
             digest = saved.get("extra_sha256")
             if digest is not None and digest != extra_digest(dict(out["extra"] or {})):
                 raise CheckpointError(
                     f"checkpoint {self._step_dir(step)} is corrupt: its loop state (extra) "
                     f"does not match the digest stored with it (its files changed after they "
-                    f"were written); resume from another checkpoint or start anew")
+                    f"were written); delete that step's folder to resume from the checkpoint "
+                    f"before it, or start anew")
         else:
             warnings.warn(f"checkpoint {self._step_dir(step)} has no content checksums "
                           f"(written by an older jdqn): its arrays cannot be verified",
