@@ -36,6 +36,10 @@ class ConfigError(JdqnError, ValueError):
     """A configuration problem; the message names the key and what is allowed."""
 
 
+# len(jdqn.data.layout.PORTFOLIO_SLOTS), which imports this module (a test checks they agree).
+N_PORTFOLIO_SLOTS = 7
+
+
 def fld(default: Any = dataclasses.MISSING, *, ge: float | None = None, le: float | None = None,
         gt: float | None = None, lt: float | None = None, default_factory: Any = dataclasses.MISSING,
         doc: str = "") -> Any:
@@ -449,10 +453,11 @@ def _validate(obj: Any, prefix: str) -> None:
             if any(v < 1 for v in vals):
                 raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
         n = n_base_features(obj)
-        if n + 4 > obj.state_width:  # 4 = len(jdqn.data.layout.PORTFOLIO_SLOTS)
-            raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + 4 "
-                              f"portfolio slots need {n + 4}; raise state_width or use fewer "
-                              "features")
+        slots = N_PORTFOLIO_SLOTS
+        if n + slots > obj.state_width:
+            raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + "
+                              f"{slots} portfolio slots need {n + slots}; raise state_width or "
+                              "use fewer features")
     if isinstance(obj, TrainConfig):
         if not obj.seeds:
             raise ConfigError(f"{p}seeds is empty; give at least one seed")

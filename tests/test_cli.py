@@ -255,7 +255,7 @@ def test_bad_command_line_is_one_line(args, fragment, capsys):
 def test_state_width_too_small_is_refused_before_the_run_folder_is_written(tmp_path):
     res = run_cli("--config", "configs/quickstart.toml", "--set", "features.state_width=8",
                   "--output-dir", str(tmp_path / "o"))
-    assert_user_error(res, "features.state_width = 8 is too small", "need 28")
+    assert_user_error(res, "features.state_width = 8 is too small", "need 31")
     assert not (tmp_path / "o").exists()
 
 
@@ -274,8 +274,8 @@ def test_state_width_overflowed_by_the_data_is_a_user_error(tmp_path, monkeypatc
     assert cli_main.main(["--config", "configs/quickstart.toml",
                           "--output-dir", str(tmp_path / "o")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert err == [("jdqn: error: features.state_width = 64 is too small: 70 features + 4 "
-                    "portfolio slots need 74; raise state_width or use fewer features")]
+    assert err == [("jdqn: error: features.state_width = 64 is too small: 70 features + 7 "
+                    "portfolio slots need 77; raise state_width or use fewer features")]
 
 
 def test_autotune_file_records_first_then_loads(tmp_path):

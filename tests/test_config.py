@@ -163,19 +163,19 @@ def test_sizes_and_seeds_have_upper_bounds():
 
 
 def test_state_width_too_small_for_the_features_is_refused():
-    with pytest.raises(ConfigError, match=r"features.state_width = 27 is too small: 24 features "
-                                          r"\+ 4 portfolio slots need 28"):
-        config_from_dict({"features": {"state_width": 27}})
-    config_from_dict({"features": {"state_width": 28}})
-    config_from_dict({"features": {"state_width": 16, "return_lags": [], "vol_windows": [1],
+    with pytest.raises(ConfigError, match=r"features.state_width = 30 is too small: 24 features "
+                                          r"\+ 7 portfolio slots need 31"):
+        config_from_dict({"features": {"state_width": 30}})
+    config_from_dict({"features": {"state_width": 31}})
+    config_from_dict({"features": {"state_width": 19, "return_lags": [], "vol_windows": [1],
                                    "mtf_factors": [], "time_of_day": False}})
 
 
 def test_feature_count_matches_the_features_built():
-    from jdqn.config import FeaturesConfig, SyntheticConfig, n_base_features
+    from jdqn.config import N_PORTFOLIO_SLOTS, FeaturesConfig, SyntheticConfig, n_base_features
     from jdqn.data import PORTFOLIO_SLOTS, build_features, generate_synthetic
 
-    assert len(PORTFOLIO_SLOTS) == 4  # the count _validate assumes
+    assert len(PORTFOLIO_SLOTS) == N_PORTFOLIO_SLOTS  # the count _validate assumes
     bars = generate_synthetic(SyntheticConfig(n_bars=400))
     for cfg in (FeaturesConfig(), FeaturesConfig(return_lags=(1,), vol_windows=(3, 5, 7),
                                                  mtf_factors=(), time_of_day=False)):

@@ -28,7 +28,7 @@ BASE = {"tick_size": 0.25, "spread_ticks": 0.0, "slippage_ticks": 0.0, "commissi
 def make(training: bool = True, **kw) -> E.EnvParams:
     cfg = EnvConfig(**{**BASE, **kw})
     feats = np.arange(len(C) * 2, dtype=np.float32).reshape(len(C), 2)
-    return E.make_params(feats, O, H, L, C, cfg, training=training, state_width=8)
+    return E.make_params(feats, O, H, L, C, cfg, training=training, state_width=12)
 
 
 def act(d: int, m: int = 2, o: int = E.MARKET, u: int = 0) -> jnp.ndarray:
@@ -119,6 +119,36 @@ def test_limit_fills_only_when_traded_through_not_at_touch():
     _, out = run(make(spread_ticks=2), [act(E.FLAT), act(E.FLAT),
                                         act(E.LONG, o=E.LIMIT_TOUCH, u=0)])
     assert not out[2][2]["filled"]
+
+
+def test_a_working_limit_order_is_in_the_observation_until_it_fills():
+    """"Hold" keeps a live limit order working; the observation shows it (remaining quantity,
+    bars it may still fill in, its price against the close in ticks), so a flat state with a
+    working order does not look like one without."""
+    params = make(spread_ticks=2)
+    slot = {n: 2 + i for i, n in enumerate(E.PORTFOLIO_SLOTS)}  # 2 feature columns first
+    # Bar 0: buy 1 at the touch 99.75, urgency 1 (two bars); bar 1 (low 100.5) does not fill.
+    working, out = run(params, [act(E.LONG, o=E.LIMIT_TOUCH, u=1)])
+    assert not out[0][2]["filled"] and int(working.t[0]) == 1
+    obs = np.asarray(E.observe(params, working))[0]
+    assert obs[slot["position"]] == 0.0 and obs[slot["order_size"]] == 1.0
+    assert obs[slot["order_bars_left"]] == pytest.approx(1 / 3)  # bar 2 of limit_expiry 3
+    assert obs[slot["order_distance"]] == pytest.approx((99.75 - 101.5) / 0.25 / 10)
+    idle, _ = run(params, [act(E.FLAT)])
+    plain = np.asarray(E.observe(params, idle))[0]
+    assert plain[slot["position"]] == 0.0 and plain[slot["order_size"]] == 0.0
+    assert not np.array_equal(obs, plain)
+    # Bar 2 trades through 99.75: filled, nothing working any more.
+    filled, out = run(params, [act(E.LONG, o=E.LIMIT_TOUCH, u=1), act(E.HOLD)])
+    assert out[1][2]["filled"]
+    after = np.asarray(E.observe(params, filled))[0]
+    assert after[slot["position"]] == 1.0
+    for k in ("order_size", "order_bars_left", "order_distance"):
+        assert after[slot[k]] == 0.0
+    # A sell limit shows a negative quantity and a price above the close; a far price clips.
+    short, _ = run(make(spread_ticks=40), [act(E.SHORT, o=E.LIMIT_TOUCH, u=2)])
+    s = np.asarray(E.observe(make(spread_ticks=40), short))[0]
+    assert s[slot["order_size"]] == -1.0 and s[slot["order_distance"]] == 1.0
 
 
 def test_sell_limit_fills_when_high_trades_through():
@@ -249,11 +279,11 @@ def test_observation_layout_and_obs_from_index():
     params = make()
     state, _ = run(params, [act(E.LONG), act(E.HOLD)])
     obs = np.asarray(E.observe(params, state))
-    assert obs.shape == (1, 8)
+    assert obs.shape == (1, 12)
     np.testing.assert_array_equal(obs[0, :2], np.asarray(params.features[2]))
     assert obs[0, 2] == 1.0 and obs[0, 5] == 1.0  # position, last direction
     assert obs[0, 4] == pytest.approx(np.log1p(1) / np.log1p(1000))
-    np.testing.assert_array_equal(obs[0, 6:], 0)
+    np.testing.assert_array_equal(obs[0, 6:], 0)  # no live order (its slots), padding
     rebuilt = E.obs_from_index(params, state.t, E.portfolio(params, state))
     np.testing.assert_array_equal(np.asarray(rebuilt), obs)
 

@@ -187,13 +187,14 @@ def test_normaliser_degenerate_scales_fall_back() -> None:
 
 def test_state_layout() -> None:
     lay = StateLayout(n_features=24, width=128)
-    assert lay.portfolio_offset == 24 and lay.n_portfolio == 4 and lay.n_padding == 100
+    assert lay.portfolio_offset == 24 and lay.n_portfolio == 7 and lay.n_padding == 97
     assert lay.slot("position") == 24 and lay.slot("last_direction") == 27
+    assert lay.slot("order_distance") == 30
     names = lay.column_names(tuple(f"f{i}" for i in range(24)))
-    assert len(names) == 128 and names[24:28] == PORTFOLIO_SLOTS and names[-1] == "pad_99"
-    obs = lay.assemble(np.ones((5, 24), np.float32), np.full((5, 4), 2.0))
+    assert len(names) == 128 and names[24:31] == PORTFOLIO_SLOTS and names[-1] == "pad_96"
+    obs = lay.assemble(np.ones((5, 24), np.float32), np.full((5, 7), 2.0))
     assert obs.shape == (5, 128) and obs.dtype == np.float32
-    assert (obs[:, 24:28] == 2).all() and (obs[:, 28:] == 0).all()
-    StateLayout(n_features=124, width=128)
+    assert (obs[:, 24:31] == 2).all() and (obs[:, 31:] == 0).all()
+    StateLayout(n_features=121, width=128)
     with pytest.raises(ValueError, match="state_width = 128 is too small"):
-        StateLayout(n_features=125, width=128)
+        StateLayout(n_features=122, width=128)

@@ -27,7 +27,11 @@ import numpy as np
 
 from jdqn.config import ConfigError
 
-PORTFOLIO_SLOTS = ("position", "unrealised_pnl", "time_in_position", "last_direction")
+# The portfolio part of the observation (values: jdqn.env.core.portfolio). The last three
+# describe the live limit order, which "hold" keeps working: without them two states that look
+# alike (flat, with or without a working order) would act differently.
+PORTFOLIO_SLOTS = ("position", "unrealised_pnl", "time_in_position", "last_direction",
+                   "order_size", "order_bars_left", "order_distance")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from jdqn.config import EnvConfig
+from jdqn.data.layout import PORTFOLIO_SLOTS
 from jdqn.env.sizing import FACTOR_NAMES, cvar_series, sizing_factors
 from jdqn.errors import JdqnError
 
@@ -37,11 +38,11 @@ MARKET, LIMIT_TOUCH, LIMIT_PASSIVE = 0, 1, 2
 MAGNITUDES = (0.25, 0.5, 1.0)
 
 # Portfolio slots of the observation, in StateLayout order.
-PORTFOLIO_SLOTS = ("position", "unrealised_pnl", "time_in_position", "last_direction")
 N_PORTFOLIO = len(PORTFOLIO_SLOTS)
 PNL_SLOT_UNIT = 1e-3  # unrealised-PnL slot is open-trade PnL in units of 0.1 % of equity …
 PNL_SLOT_CLIP = 10.0  # … clipped to ±10 (1 % of equity) so one bad trade cannot blow up inputs
 TIME_SLOT_NORM = math.log1p(1000.0)  # time slot = log1p(bars) / log1p(1000)
+ORDER_DIST_CLIP = 10.0  # order-distance slot: limit price − close in ticks, clipped ±10, / 10
 
 
 class EnvInputError(JdqnError, ValueError):
@@ -310,14 +311,27 @@ def auto_reset(params: EnvParams, state: EnvState, done: jax.Array, key: jax.Arr
 
 
 def portfolio(params: EnvParams, state: EnvState) -> jax.Array:
-    """The 4 portfolio slots, f32 [N, 4]: position / max_position, open-trade PnL (0.1 % of
-    equity, clipped ±10), log1p(time in position) / log1p(1000), last direction (−1, 0, +1)."""
+    """The portfolio slots (``PORTFOLIO_SLOTS``), f32 [N, 7]: position / max_position,
+    open-trade PnL (0.1 % of equity, clipped ±10), log1p(time in position) / log1p(1000), last
+    direction (−1, 0, +1), and the live limit order (all 0 when there is none): its remaining
+    quantity (target − position) / max_position, the bars it may still fill in / the longest
+    ``limit_expiry``, and its price's distance from bar t's close in ticks, clipped ±10, / 10.
+    Everything is known at bar t's close."""
     cfg = params.cfg
     pnl = jnp.clip(state.trade_pnl / (cfg.initial_equity * PNL_SLOT_UNIT), -PNL_SLOT_CLIP,
                    PNL_SLOT_CLIP)
+    live = (state.pend_left > 0) & (state.target != state.position)
+    close = params.bars[state.t, 3]
+    dist = jnp.clip((state.pend_price - close) / cfg.tick_size, -ORDER_DIST_CLIP,
+                    ORDER_DIST_CLIP) / ORDER_DIST_CLIP
+    zero = jnp.zeros_like(state.position)
     return jnp.stack([state.position / cfg.max_position, pnl,
                       jnp.log1p(state.time_in_pos.astype(jnp.float32)) / TIME_SLOT_NORM,
-                      state.last_dir.astype(jnp.float32)], axis=-1)
+                      state.last_dir.astype(jnp.float32),
+                      jnp.where(live, (state.target - state.position) / cfg.max_position, zero),
+                      jnp.where(live, state.pend_left.astype(jnp.float32)
+                                / max(cfg.limit_expiry), zero),
+                      jnp.where(live, dist, zero)], axis=-1)
 
 
 def obs_from_index(params: EnvParams, t: jax.Array, portfolio_slots: jax.Array) -> jax.Array:

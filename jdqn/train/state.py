@@ -3,10 +3,10 @@
 Axes: ``S`` seeds (every leaf of a multi-seed :class:`TrainState` has it first), ``N`` envs,
 ``C`` replay capacity, ``W`` state width.
 
-What a replay item holds (``Transition``) is the bar index and the 4 portfolio slots of s and s′
+What a replay item holds (``Transition``) is the bar index and the 7 portfolio slots of s and s′
 plus the action, the n-step return and the bootstrap discount — the observation is rebuilt from
 the on-device feature matrix when it is sampled (``env.obs_from_index``), so a transition costs
-56 bytes instead of 2 × 128 floats (see ``docs/training.md``).
+92 bytes with its priority instead of 2 × 128 floats (see ``docs/training.md``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ class Transition:
     """One replay item (an n-step transition). Leaves get a leading batch/capacity axis."""
 
     t: jax.Array  # i32 []: bar of s
-    port: jax.Array  # f32 [4]: portfolio slots of s
+    port: jax.Array  # f32 [P]: portfolio slots of s (P = len(PORTFOLIO_SLOTS))
     action: jax.Array  # i32 [4]
     reward: jax.Array  # f32 []: n-step discounted (normalised) return
     discount: jax.Array  # f32 []: γ^m · (1 − terminal)
     next_t: jax.Array  # i32 []: bar of s′
-    next_port: jax.Array  # f32 [4]: portfolio slots of s′
+    next_port: jax.Array  # f32 [P]: portfolio slots of s′
 
 
 @struct.dataclass
@@ -119,19 +119,19 @@ class Learner:
 
 
 def transition_example() -> Transition:
-    f, i = jnp.float32, jnp.int32
-    return Transition(t=jnp.zeros((), i), port=jnp.zeros((4,), f), action=jnp.zeros((4,), i),
+    f, i, p = jnp.float32, jnp.int32, env_core.N_PORTFOLIO
+    return Transition(t=jnp.zeros((), i), port=jnp.zeros((p,), f), action=jnp.zeros((4,), i),
                       reward=jnp.zeros((), f), discount=jnp.zeros((), f),
-                      next_t=jnp.zeros((), i), next_port=jnp.zeros((4,), f))
+                      next_t=jnp.zeros((), i), next_port=jnp.zeros((p,), f))
 
 
 def step_example(n_envs: int) -> StepRecord:
-    f, i = jnp.float32, jnp.int32
-    return StepRecord(t=jnp.zeros((n_envs,), i), port=jnp.zeros((n_envs, 4), f),
+    f, i, p = jnp.float32, jnp.int32, env_core.N_PORTFOLIO
+    return StepRecord(t=jnp.zeros((n_envs,), i), port=jnp.zeros((n_envs, p), f),
                       action=jnp.zeros((n_envs, 4), i), reward=jnp.zeros((n_envs,), f),
                       done=jnp.zeros((n_envs,), bool), truncated=jnp.zeros((n_envs,), bool),
                       next_t=jnp.zeros((n_envs,), i),
-                      next_port=jnp.zeros((n_envs, 4), f))
+                      next_port=jnp.zeros((n_envs, p), f))
 
 
 def init_state(learner: Learner, key: jax.Array, env_params: env_core.EnvParams) -> TrainState:
