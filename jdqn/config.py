@@ -409,9 +409,11 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
         key = f"{prefix}.{k}" if prefix else k
         if k not in fields:
             near = difflib.get_close_matches(k, list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean '{(prefix + '.') if prefix else ''}{near[0]}'?" if near else ""
+            if near:  # the likely key is enough; the whole section's list would bury it
+                raise ConfigError(f"unknown config key '{key}'; did you mean "
+                                  f"'{(prefix + '.') if prefix else ''}{near[0]}'?")
             valid = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {valid})")
+            raise ConfigError(f"unknown config key '{key}' (valid keys here: {valid})")
         val = _coerce(v, hints[k], key)
         if isinstance(val, tuple):
             for i, x in enumerate(val):

@@ -83,11 +83,25 @@ def test_missing_config_and_data_files(tmp_path):
     ("ts,price,size\n2024-01-02 14:00:00,4000,1\n2024-01-02 14:00:01,-3,1\n", ("price",)),
     ("ts,price,size\n2024-01-02 14:00:00,4000,1\nyesterday,4000,1\n", ("timestamp",)),
     ("", ("empty",)),
+    # a row with a field missing: pyarrow names its text, the error adds row and line
+    ("ts,price,size\n2024-01-02 14:00:00,4000,1\n2024-01-02 14:00:01,4000\n",
+     ("row 2 (line 3)", "Expected 3 columns, got 2")),
+    ("ts,price,size\n2024-01-02 14:00:00,4000,1,7\n", ("row 1 (line 2)", "got 4")),
 ])
 def test_bad_data_is_one_line_naming_file_and_problem(tmp_path, text, fragments):
     cfg = ticks_config(tmp_path, text)
     res = run_cli("--config", str(cfg), "--output-dir", str(tmp_path / "o"))
     assert_user_error(res, "ticks.csv", *fragments)
+
+
+def test_a_binary_file_read_as_csv_prints_no_raw_bytes(tmp_path):
+    cfg = ticks_config(tmp_path, "")
+    data = tmp_path / "ticks.csv"
+    data.write_bytes(b"ts,price,size\n" + bytes(range(256)) * 4 + b"\n1,2\n")
+    res = run_cli("--config", str(cfg), "--features-only")
+    assert_user_error(res, "ticks.csv")
+    line = res.stderr.strip()
+    assert line.isprintable() and len(line) < 400, line
 
 
 def test_duplicate_ohlcv_timestamps(tmp_path):

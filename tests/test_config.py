@@ -27,6 +27,13 @@ def test_defaults_build():
 def test_unknown_key_names_nearest_valid_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr'; did you mean 'train.lr'"):
         config_from_dict({"train": {"lrr": 1e-3}})
+    # With a likely key the message stays short; without one it lists the section's keys.
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"train": {"lrr": 1e-3}})
+    assert "valid keys" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown config key 'eval.qqqqq' \(valid keys here: "
+                                          r".*n_windows.*stride"):
+        config_from_dict({"eval": {"qqqqq": 1}})
 
 
 def test_unknown_section_is_an_error():

@@ -88,10 +88,41 @@ def read_table(path: Path, cfg: DataConfig, string_cols: tuple[str, ...] = ()) -
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "Empty CSV file" in msg:
             raise DataError(f"{path}: empty file (no header row)") from None
-        raise DataError(f"{path}: cannot read as {fmt}: {msg}") from None
+        if fmt == "csv" and "columns, got" in msg:
+            line = _ragged_line(path, cfg.skip_rows)
+            where = f"{path}: row {line - 1 - cfg.skip_rows} (line {line})" if line else str(path)
+            raise DataError(f"{where}: {_printable(msg)}") from None
+        raise DataError(f"{path}: cannot read as {fmt}: {_printable(msg)}") from None
     if table.num_rows == 0:
         raise DataError(f"{path}: empty file (a header but no data rows)")
     return _Table(path, table, fmt == "csv", cfg.skip_rows if fmt == "csv" else 0)
+
+
+def _ragged_line(path: Path, skip_rows: int) -> int | None:
+    """The 1-based line number of the first CSV row whose field count differs from the header's
+    (pyarrow's parse error names the row's text, not its line); None if none is found. Only
+    called on that error, so reading the file again costs nothing in the normal case."""
+    import csv
+    import io
+
+    with pa.input_stream(str(path), compression="detect") as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+        width = None
+        for n, row in enumerate(csv.reader(text), start=1):
+            if n <= skip_rows or not row:
+                continue
+            if width is None:
+                width = len(row)
+            elif len(row) != width:
+                return n
+    return None
+
+
+def _printable(msg: str, limit: int = 200) -> str:
+    """An error message safe for one terminal line: control and undecodable bytes escaped,
+    long texts cut (a binary file read as CSV would otherwise print raw bytes)."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+    return out if len(out) <= limit else out[:limit] + "…"
 
 
 # --------------------------------------------------------------------------------------------
