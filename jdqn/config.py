@@ -111,6 +111,10 @@ class DataConfig:
     instrument_id: int = fld(0, ge=0, lt=2**32)  # DBN: instrument to keep (0 = the only one)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".jdqn_cache"  # feature cache folder ('' disables the cache)
+    # A bar whose open/high/low/close moves beyond a factor 1 + max_jump up or down from the
+    # previous close (0.25: +25 % / −20 %) is refused as a likely bad print (0 accepts any move;
+    # synthetic data is not checked).
+    max_jump: float = fld(0.25, ge=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -221,3 +221,19 @@ def test_threshold_above_the_whole_input_is_no_complete_bar(tmp_path: Path,
     msg = _error(_ticks(tmp_path, TICKS, bar_type=bar_type, bar_threshold=1e12))
     assert "in.csv: no complete bar could be formed from 3 events" in msg
     assert "data.bar_threshold = 1e+12" in msg
+
+
+def test_a_bad_print_is_refused_naming_the_bar_unless_allowed(tmp_path: Path) -> None:
+    # One tick typed ×10 opens the second 1-s bar: +900 % from the first bar's close.
+    spiky = TICKS + "2024-01-02 14:30:01.500,40002.5,1\n2024-01-02 14:30:02.000,4000.75,1\n"
+    msg = _error(_ticks(tmp_path, spiky))
+    assert "bar 1 (close 2024-01-02T14:30:02 UTC): open 40002.5 is +900.0% from the previous " \
+           "close 4000.25 (1 bar beyond the limit)" in msg and "data.max_jump = 0.25" in msg, msg
+    bars = load_bars(_ticks(tmp_path, spiky, max_jump=0.0))  # accepted when asked to
+    assert bars.high.max() == 40002.5
+    # OHLCV: a close that halves is refused at the default, accepted with a wider limit.
+    crash = _replace_line(OHLCV, 4, "2024-01-02 14:33:00,10.75,10.75,5,5,70")
+    msg = _error(_ohlcv(tmp_path, crash))
+    assert "bar 2 " in msg and "low 5 is -53.5% from the previous close 10.75" in msg, msg
+    assert len(load_bars(_ohlcv(tmp_path, crash, max_jump=1.2))) == 3  # ÷2.2 is within ×/÷ 2.2
+    assert len(load_bars(_ohlcv(tmp_path, OHLCV))) == 3  # ordinary moves pass

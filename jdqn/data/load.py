@@ -42,15 +42,41 @@ def load_bars(cfg: DataConfig) -> Bars:
     path = resolve_path(cfg.path)
     require_file(path, cfg.path)
     if cfg.source == "ticks":
-        from jdqn.data.tables import load_ticks
+        from jdqn.data.tables import load_ticks as load
+    elif cfg.source == "ohlcv":
+        from jdqn.data.tables import load_ohlcv as load
+    elif cfg.source == "dbn":
+        from jdqn.data.dbn import load_dbn as load
+    else:
+        raise DataError(f"data.source = {cfg.source!r}: expected synthetic, ticks, ohlcv or dbn")
+    bars = load(path, cfg)
+    check_jumps(bars, cfg.max_jump, str(path))
+    return bars
 
-        return load_ticks(path, cfg)
-    if cfg.source == "ohlcv":
-        from jdqn.data.tables import load_ohlcv
 
-        return load_ohlcv(path, cfg)
-    if cfg.source == "dbn":
-        from jdqn.data.dbn import load_dbn
+def check_jumps(bars: Bars, max_jump: float, source: str) -> None:
+    """Refuse a bar whose open, high, low or close lies beyond a factor ``1 + max_jump`` up or
+    down from the previous bar's close (the first bar: its own open); 0.25 = above +25 % or below
+    −20 %, symmetric in log price. A
+    single bad print (a price typed ×10, a stray tick) would otherwise widen a bar's range,
+    feed the range and volatility features, and fill limit orders that no market would have
+    filled. ``max_jump = 0`` accepts everything."""
+    if max_jump <= 0 or len(bars.close) == 0:
+        return
+    import numpy as np
 
-        return load_dbn(path, cfg)
-    raise DataError(f"data.source = {cfg.source!r}: expected synthetic, ticks, ohlcv or dbn")
+    ref = np.concatenate([bars.open[:1], bars.close[:-1]])
+    prices = np.stack([bars.open, bars.high, bars.low, bars.close])
+    move = np.max(np.abs(np.log(prices / ref)), axis=0)
+    bad = np.flatnonzero(move > np.log1p(max_jump))
+    if bad.size:
+        i = int(bad[0])
+        k = int(np.argmax(np.abs(np.log(prices[:, i] / ref[i]))))
+        name = ("open", "high", "low", "close")[k]
+        when = np.datetime_as_string(np.datetime64(int(bars.ts[i]), "ns"), unit="s")
+        raise DataError(
+            f"{source}: bar {i} (close {when} UTC): {name} {prices[k, i]:g} is "
+            f"{prices[k, i] / ref[i] - 1:+.1%} from the previous close {ref[i]:g} "
+            f"({bad.size} bar{'s' if bad.size > 1 else ''} beyond the limit); a bad print? "
+            f"Clean the data, or raise "
+            f"data.max_jump = {max_jump:g} (0 accepts any move)")
