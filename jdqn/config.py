@@ -569,6 +569,23 @@ def apply_overrides(table: dict[str, Any], overrides: list[str]) -> dict[str, An
     return out
 
 
+def _blame(msg: str, table: dict[str, Any], overrides: list[str], path: Path) -> str:
+    """Where a config error came from: ``--set`` when the message names a key the command line
+    set (or the file alone is valid), else the file."""
+    import re
+
+    keys = [o.split("=", 1)[0].strip() for o in overrides if "=" in o]
+    if any(re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", msg) for k in keys if k):
+        return "--set"
+    if overrides:
+        try:
+            config_from_dict(table)
+            return "--set"
+        except ConfigError:
+            pass
+    return str(path)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a TOML config file, apply CLI overrides and validate."""
     path = Path(path)
@@ -587,14 +604,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     try:
         cfg = config_from_dict(merged)
     except ConfigError as e:
-        where = str(path)
-        if overrides:  # a file valid on its own: the bad value came from the command line
-            try:
-                config_from_dict(table)
-                where = "--set"
-            except ConfigError:
-                pass
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{_blame(str(e), table, overrides or [], path)}: {e}") from None
     return resolve_paths(cfg, path.parent)
 
 

@@ -245,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                               "true (every process would record its own kernel choices into "
                               "the one file); use XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                               "for bitwise reproducible multi-host runs")
-        existed = args.output_dir is not None and Path(args.output_dir).exists()
+        target = (Path(args.output_dir) if args.output_dir is not None
+                  else Path("runs") / Path(args.config).stem)
+        existed = {d for d in (target, *target.parents) if d.exists()}  # before this run
         out = None if multi else resolve_output_dir(args.config, args.output_dir, args.resume)
         fresh = out if not (multi or args.resume) else None  # this invocation's new run
-        with _autotune(args.autotune_file) as autotune, _discard_if_unstarted(fresh, existed):
+        with _discard_if_unstarted(fresh, existed), _autotune(args.autotune_file) as autotune:
             if multi:
                 from jdqn.train import distributed
 
@@ -288,19 +290,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _discard_if_unstarted(out: Path | None, existed: bool):
+def _discard_if_unstarted(out: Path | None, existed: set[Path]):
     """A new run that fails before it has written anything but its ``config.toml`` (bad data,
-    a config error found while preparing, Ctrl-C while building features) leaves no run
-    behind: the ``config.toml`` goes, and the folder too if this invocation created it. The
-    folder can then be used again without ``--resume``, and failed attempts leave no empty runs
-    in ``runs/``. A run that got further (logs, checkpoints) keeps everything."""
+    a config error found while preparing, a bad ``--autotune-file``, Ctrl-C while building
+    features) leaves no run behind: the ``config.toml`` goes, and so do the folders this
+    invocation created (``existed`` holds those there before it: they stay, emptied of nothing
+    but our file). The folder can then be used again without ``--resume``, and failed attempts
+    leave no empty ``runs/<config>/<stamp>`` folders. A run that got further (logs,
+    checkpoints) keeps everything."""
     try:
         yield
     except BaseException:
-        if out is not None and out.is_dir() and [p.name for p in out.iterdir()] == ["config.toml"]:
-            (out / "config.toml").unlink()
-            if not existed:
-                out.rmdir()
+        if out is not None and out.is_dir() and {p.name for p in out.iterdir()} <= {"config.toml"}:
+            (out / "config.toml").unlink(missing_ok=True)
+            for d in (out, *out.parents):
+                if d in existed or d == Path(".") or any(d.iterdir()):
+                    break
+                d.rmdir()
         raise
 
 

@@ -145,6 +145,10 @@ def test_a_bad_set_value_is_attributed_to_the_command_line(tmp_path):
     broken.write_text("[train]\nbatch_size = -1\n")
     res = run_cli("--config", str(broken), "--set", "train.lr=1e-3", "--features-only")
     assert_user_error(res, f"jdqn: error: {broken}: train.batch_size")
+    # The file is bad too, but the error is about the key the command line set.
+    res = run_cli("--config", str(broken), "--set", "train.batch_size=64", "--set", "train.lr=-1",
+                  "--features-only")
+    assert_user_error(res, "jdqn: error: --set: train.lr = -1")
 
 
 def test_existing_output_dir_is_never_overwritten(tmp_path):
@@ -173,7 +177,21 @@ def test_a_run_that_fails_before_starting_leaves_no_run_behind(tmp_path, monkeyp
     assert_user_error(run_cli("--config", str(cfg), "--output-dir", str(kept)), "gone.csv")
     assert kept.is_dir() and not any(kept.iterdir())
     assert_user_error(run_cli("--config", str(cfg), cwd=tmp_path), "gone.csv")
-    assert not (tmp_path / "runs" / "cfg").exists() or not any((tmp_path / "runs" / "cfg").iterdir())
+    assert not (tmp_path / "runs").exists()  # runs/cfg/<stamp> was made by it, and removed
+    (tmp_path / "runs").mkdir()  # a runs/ folder that was there stays
+    assert_user_error(run_cli("--config", str(cfg), cwd=tmp_path), "gone.csv")
+    assert (tmp_path / "runs").is_dir() and not any((tmp_path / "runs").iterdir())
+    # A nested new --output-dir goes with all the folders the run made; a bad --autotune-file
+    # (refused after the folder was made) leaves nothing either.
+    assert_user_error(run_cli("--config", str(cfg), "--output-dir", str(tmp_path / "a" / "b")),
+                      "gone.csv")
+    assert not (tmp_path / "a").exists()
+    work = tmp_path / "w"
+    work.mkdir()
+    res = run_cli("--config", str(REPO / "configs" / "quickstart.toml"), "--autotune-file",
+                  str(work / "nodir" / "f"), cwd=work)
+    assert_user_error(res, "--autotune-file")
+    assert not (work / "runs").exists()
     # A resume never discards: its folder is the user's run.
     (kept / "config.toml").write_text("keep me")
     res = run_cli("--config", str(cfg), "--output-dir", str(kept), "--resume")

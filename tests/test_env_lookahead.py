@@ -100,6 +100,32 @@ def test_bar_t_plus_1_only_changes_fills_at_t_plus_1_never_obs_at_t():
     assert not np.array_equal(np.asarray(info_a["fill_price"]), np.asarray(info_b["fill_price"]))
 
 
+def test_a_working_limit_order_in_the_observation_reads_no_later_bar():
+    """The order slots (size, bars left, price against the close) at bar t: with limit orders
+    still working at CUT, moving every price and feature of bar CUT + 1 changes nothing in the
+    observation at CUT (it did when the distance slot read bar t + 1's close)."""
+    from jdqn.data.layout import PORTFOLIO_SLOTS
+
+    base = bars()
+    params = E.make_params(*base, CFG, state_width=W)
+    start = E.reset_at(params, jnp.full((4,), CUT - 1), jnp.full((4,), 110))
+    # Buy and sell limits, passive, urgency 2 (10 bars): most do not fill during bar CUT.
+    orders = jnp.array([[2, 2, 2, 2], [0, 2, 2, 2], [2, 1, 1, 2], [0, 0, 2, 2]], jnp.int32)
+    state, _, _, _ = E.step(params, start, orders, E.PolicyAux.zeros(4))
+    assert int(state.t[0]) == CUT
+    obs_a = np.asarray(E.observe(params, state))
+    size = obs_a[:, F + PORTFOLIO_SLOTS.index("order_size")]
+    assert np.any(size != 0), "no order left working at CUT: the test would check nothing"
+    feats, o, h, lo, c = (np.array(a, copy=True) for a in base)
+    o[CUT + 1:] -= 3
+    h[CUT + 1:] += 4
+    lo[CUT + 1:] -= 6
+    c[CUT + 1:] += 2  # bar CUT + 1's close moves 8 ticks, inside the distance slot's ±10 clip
+    feats[CUT + 1:] += 10
+    obs_b = np.asarray(E.observe(E.make_params(feats, o, h, lo, c, CFG, state_width=W), state))
+    np.testing.assert_array_equal(obs_a, obs_b)
+
+
 def test_cvar_risk_input_is_causal():
     _, _, _, _, c = bars()
     _, _, _, _, c2 = perturbed_after(CUT)

@@ -145,6 +145,11 @@ def test_a_strided_backtest_needs_periods_per_year_of_its_stride():
     assert M.compute_metrics(_hand_built_result(), 100.0)["n_bars"] == 8
     assert json.loads(json.dumps({"p": ppy})) == {"p": 252 * 23 * 30}
     assert float(ppy) * 2 == 252 * 23 * 60 and "stride=2" in repr(ppy)
+    import copy
+    import pickle
+
+    for clone in (copy.copy(ppy), copy.deepcopy(ppy), pickle.loads(pickle.dumps(ppy))):
+        assert isinstance(clone, M.PeriodsPerYear) and clone == ppy and clone.stride == 2
     with pytest.raises(ValueError, match="stride must be"):
         M.PeriodsPerYear(1.0, stride=0)
 

@@ -46,21 +46,31 @@ def test_this_jax_accepts_the_options():
 
 
 def _bogus(gpu_graphs, backend=None, xla_flags=None):
-    return {"xla_gpu_command_buffer_scheduling_mode": "NOT_A_MODE"}
+    """What the real function gives on a GPU, made invalid so that its use shows: options for
+    "concurrent", none for "xla"."""
+    return {"xla_gpu_command_buffer_scheduling_mode": "NOT_A_MODE"} if gpu_graphs == "concurrent" \
+        else None
 
 
-def test_the_epoch_and_the_bench_pieces_are_compiled_with_the_options(monkeypatch):
-    """The options reach the epoch's compilation and ``parallel.on_devices``': an invalid one,
-    patched in, makes both fail to compile (without the plumbing both would run)."""
-    cfg = tiny_config("train.gpu_graphs=concurrent")
+@pytest.mark.parametrize("setting", ["concurrent", "xla"])
+def test_the_epoch_and_the_bench_pieces_are_compiled_with_the_configs_options(monkeypatch,
+                                                                               setting):
+    """``train.gpu_graphs`` reaches the epoch's compilation and ``parallel.on_devices``: the
+    (patched, invalid) options of "concurrent" make both fail to compile, "xla" compiles."""
+    cfg = tiny_config(f"train.gpu_graphs={setting}")
     p = job_lib.prepare(cfg)
     env_params = job_lib.fold_env_params(cfg, p, 0)
     state = job_lib._fold_state(p, None, env_params, 0, seed_keys(cfg.train.seeds))
     monkeypatch.setattr(xla_options, "compiler_options", _bogus)
     fn = epoch_lib.make_epoch_fn.__wrapped__(p.learner)  # not the cached program
-    with pytest.raises(Exception, match="NOT_A_MODE"):
-        fn(state, env_params, jnp.asarray(0, jnp.int32))
     one = jax.tree.map(lambda x: x[0], state)
-    step = parallel.on_devices(lambda s: epoch_lib.collect(p.learner, s, env_params)[0], 1)
-    with pytest.raises(Exception, match="NOT_A_MODE"):
-        step(one)
+    step = parallel.on_devices(lambda s: epoch_lib.collect(p.learner, s, env_params)[0], 1,
+                               gpu_graphs=cfg.train.gpu_graphs)
+    if setting == "concurrent":
+        with pytest.raises(Exception, match="NOT_A_MODE"):
+            fn(state, env_params, jnp.asarray(0, jnp.int32))
+        with pytest.raises(Exception, match="NOT_A_MODE"):
+            step(one)
+    else:
+        jax.block_until_ready(step(one))
+        jax.block_until_ready(fn(state, env_params, jnp.asarray(0, jnp.int32)))

@@ -11,11 +11,14 @@ columns                meaning
 ``F + 1``              ``unrealised_pnl``: open-trade PnL (env-normalised)
 ``F + 2``              ``time_in_position``: bars held (env-scaled)
 ``F + 3``              ``last_direction``: last direction action (env-encoded)
-``[F + 4, W)``         zeros (padding)
+``F + 4``              ``order_size``: the live limit order's remaining quantity
+``F + 5``              ``order_bars_left``: bars it may still fill in (env-scaled)
+``F + 6``              ``order_distance``: its price against the bar's close (env-scaled)
+``[F + 7, W)``         zeros (padding)
 =====================  ==========================================================
 
 The env fills the portfolio slots (their scaling is the env's contract); the data side fixes
-their positions. ``F + 4 > W`` is a configuration error.
+their positions. ``F + 7 > W`` is a configuration error.
 """
 
 from __future__ import annotations

@@ -335,7 +335,8 @@ def portfolio(params: EnvParams, state: EnvState) -> jax.Array:
 
 
 def obs_from_index(params: EnvParams, t: jax.Array, portfolio_slots: jax.Array) -> jax.Array:
-    """Rebuild observations from bar indices ``t: i32 [B]`` and ``portfolio_slots: f32 [B, 4]``:
+    """Rebuild observations from bar indices ``t: i32 [B]`` and ``portfolio_slots: f32 [B, P]``
+    (P = ``N_PORTFOLIO``):
     ``features[t]`` in columns ``[0, F)``, portfolio at ``portfolio_offset``, zeros elsewhere.
     Returns f32 [B, W]."""
     feats = params.features[t]

@@ -58,6 +58,9 @@ class PeriodsPerYear(float):
     def __repr__(self) -> str:
         return f"PeriodsPerYear({float(self)!r}, stride={self.stride})"
 
+    def __reduce__(self) -> tuple:  # copy, deepcopy and pickle keep the stride
+        return (PeriodsPerYear, (float(self), self.stride))
+
 
 def periods_per_year(bar_seconds: float, eval_cfg: EvalConfig) -> PeriodsPerYear:
     """Evaluation periods per year for bars of ``bar_seconds``, corrected for ``eval_cfg.stride``:

@@ -197,10 +197,12 @@ def _summary(path: Path, report: dict[str, Any]) -> None:
         lines.append(f"The window is {n / ppy:.2%} of a year: `annual_return` and `calmar` "
                      "compound it up to a year and mean little; read `total_return`, `sharpe` "
                      "with its standard error `sharpe_se`, and `psr`.")
+        lines.append("")
     lines.append("Every policy runs through the same sizing chain (conviction, Kelly, CVaR "
                  "caps), so they hold different average positions (`mean_abs_position`, in "
                  "contracts, fractional: the engine trades continuous sizes): returns and "
-                 "drawdowns scale with size, Sharpe does not.")
+                 "drawdowns scale with the size held, Sharpe only with how the size varies "
+                 "over time; compare policies by Sharpe.")
     if report["folds"]:
         keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
         lines += ["", "## Walk-forward validation", "",
