@@ -459,11 +459,10 @@ def _validate(obj: Any, prefix: str) -> None:
             if any(v < 1 for v in vals):
                 raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
         n = n_base_features(obj)
-        slots = N_PORTFOLIO_SLOTS
-        if n + slots > obj.state_width:
+        if n + N_PORTFOLIO_SLOTS > obj.state_width:
             raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + "
-                              f"{slots} portfolio slots need {n + slots}; raise state_width or "
-                              "use fewer features")
+                              f"{N_PORTFOLIO_SLOTS} portfolio slots need {n + N_PORTFOLIO_SLOTS}; "
+                              "raise state_width or use fewer features")
     if isinstance(obj, TrainConfig):
         if not obj.seeds:
             raise ConfigError(f"{p}seeds is empty; give at least one seed")

@@ -237,3 +237,15 @@ def test_a_bad_print_is_refused_naming_the_bar_unless_allowed(tmp_path: Path) ->
     assert "bar 2 " in msg and "low 5 is -53.5% from the previous close 10.75" in msg, msg
     assert len(load_bars(_ohlcv(tmp_path, crash, max_jump=1.2))) == 3  # ÷2.2 is within ×/÷ 2.2
     assert len(load_bars(_ohlcv(tmp_path, OHLCV))) == 3  # ordinary moves pass
+
+
+def test_a_ragged_csv_row_is_located_by_row_and_line(tmp_path: Path) -> None:
+    # Two preamble lines skipped, then a row with a field missing: data row 3, line 6.
+    text = ('# exported\n# by a tool\ntimestamp,price,size\n2024-01-02 14:30:00,4000,1\n'
+            '2024-01-02 14:30:01,"4000",1\n2024-01-02 14:30:02,4000.25\n')
+    msg = _error(_ticks(tmp_path, text, skip_rows=2))
+    assert "row 3 (line 6)" in msg and "Expected 3 columns, got 2" in msg, msg
+    # A quoted field spanning two lines: the ragged row after it is data row 2, on line 4.
+    text = ('timestamp,price,size\n"2024-01-02\n14:30:00",4000,1\n2024-01-02 14:30:02,4000.25\n')
+    msg = _error(_ticks(tmp_path, text))
+    assert "row 2 (line 4)" in msg, msg

@@ -5,6 +5,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from jdqn.config import DataConfig
 from jdqn.data.bars import Bars
 from jdqn.errors import DataError
@@ -56,15 +58,12 @@ def load_bars(cfg: DataConfig) -> Bars:
 
 def check_jumps(bars: Bars, max_jump: float, source: str) -> None:
     """Refuse a bar whose open, high, low or close lies beyond a factor ``1 + max_jump`` up or
-    down from the previous bar's close (the first bar: its own open); 0.25 = above +25 % or below
-    −20 %, symmetric in log price. A
-    single bad print (a price typed ×10, a stray tick) would otherwise widen a bar's range,
-    feed the range and volatility features, and fill limit orders that no market would have
-    filled. ``max_jump = 0`` accepts everything."""
+    down from the previous bar's close (the first bar: its own open); 0.25 = above +25 % or
+    below −20 %, symmetric in log price. A single bad print (a price typed ×10, a stray tick)
+    would otherwise widen a bar's range, feed the range and volatility features, and fill limit
+    orders that no market would have filled. ``max_jump = 0`` accepts everything."""
     if max_jump <= 0 or len(bars.close) == 0:
         return
-    import numpy as np
-
     ref = np.concatenate([bars.open[:1], bars.close[:-1]])
     prices = np.stack([bars.open, bars.high, bars.low, bars.close])
     move = np.max(np.abs(np.log(prices / ref)), axis=0)

@@ -89,8 +89,8 @@ def read_table(path: Path, cfg: DataConfig, string_cols: tuple[str, ...] = ()) -
         if "Empty CSV file" in msg:
             raise DataError(f"{path}: empty file (no header row)") from None
         if fmt == "csv" and "columns, got" in msg:
-            line = _ragged_line(path, cfg.skip_rows)
-            where = f"{path}: row {line - 1 - cfg.skip_rows} (line {line})" if line else str(path)
+            at = _ragged_row(path, cfg.skip_rows)
+            where = f"{path}: row {at[0]} (line {at[1]})" if at else str(path)
             raise DataError(f"{where}: {_printable(msg)}") from None
         raise DataError(f"{path}: cannot read as {fmt}: {_printable(msg)}") from None
     if table.num_rows == 0:
@@ -98,23 +98,28 @@ def read_table(path: Path, cfg: DataConfig, string_cols: tuple[str, ...] = ()) -
     return _Table(path, table, fmt == "csv", cfg.skip_rows if fmt == "csv" else 0)
 
 
-def _ragged_line(path: Path, skip_rows: int) -> int | None:
-    """The 1-based line number of the first CSV row whose field count differs from the header's
-    (pyarrow's parse error names the row's text, not its line); None if none is found. Only
-    called on that error, so reading the file again costs nothing in the normal case."""
+def _ragged_row(path: Path, skip_rows: int) -> tuple[int, int] | None:
+    """``(data row, physical line)``, 1-based, of the first CSV row whose field count differs
+    from the header's (pyarrow's parse error quotes the row's text, not where it is); None if
+    none is found. Only called on that error, so the second read costs nothing otherwise."""
     import csv
     import io
 
     with pa.input_stream(str(path), compression="detect") as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
-        width = None
-        for n, row in enumerate(csv.reader(text), start=1):
-            if n <= skip_rows or not row:
+        for _ in range(skip_rows):
+            text.readline()
+        reader = csv.reader(text)
+        width, row_no = None, 0
+        for row in reader:
+            if not row:
                 continue
             if width is None:
                 width = len(row)
-            elif len(row) != width:
-                return n
+                continue
+            row_no += 1
+            if len(row) != width:
+                return row_no, skip_rows + reader.line_num
     return None
 
 
