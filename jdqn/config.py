@@ -167,6 +167,9 @@ class EnvConfig:
     n_envs: int = fld(256, ge=1)  # parallel episodes during training
     episode_length: int = fld(512, ge=2)  # bars per training episode
     max_position: float = fld(1.0, gt=0)  # contracts at 'full' magnitude
+    # Position granularity in contracts: a sized target is cut toward zero to a multiple of it
+    # (1.0 = whole contracts, never more than the sizing chain allows); 0 = continuous sizes.
+    lot_size: float = fld(0.0, ge=0)
     contract_multiplier: float = fld(50.0, gt=0)  # $ per point (ES = 50)
     initial_equity: float = fld(250_000.0, gt=0)  # $; returns are relative to equity
     tick_size: float = fld(0.25, gt=0)

@@ -272,6 +272,28 @@ def test_sizing_reports_intended_and_realised_position():
     assert i["intended_position"] == 1.0 and i["position"] == 0.5 and i["size_scale"] == 0.5
 
 
+def test_lot_size_cuts_sized_targets_to_whole_lots_toward_zero():
+    # max_position 3: half = 1.5 contracts → 1 with whole contracts; quarter = 0.75 → none.
+    _, out_c = run(make(max_position=3.0), [act(E.LONG, m=1)])
+    assert out_c[0][2]["position"] == 1.5
+    _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=1), act(E.SHORT, m=1)])
+    assert out[0][2]["position"] == 1.0 and out[1][2]["position"] == -1.0
+    assert out[0][2]["intended_position"] == 1.5  # the unsized intent is reported unchanged
+    _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=0)])
+    assert out[0][2]["position"] == 0.0 and not out[0][2]["filled"]
+    _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=2)])
+    assert out[0][2]["position"] == 3.0  # a whole number of lots stays whole
+    # A sized target that is one lot but lands a hair below it in float32 (41 × f32(1/41) =
+    # 0.99999994) keeps that lot.
+    params = make(max_position=41.0, lot_size=1.0,
+                  sizing=SizingConfig(conviction=True, variance=False, kelly=False, cvar=False,
+                                      conviction_scale=41.0, conviction_floor=0.01,
+                                      min_share=0.01))
+    aux = E.PolicyAux(q_gap=jnp.array([1.0]), q_var=jnp.array([0.0]))
+    _, out = run(params, [act(E.LONG)], aux=aux)
+    assert out[0][2]["size_scale"] == pytest.approx(1 / 41) and out[0][2]["position"] == 1.0
+
+
 # ------------------------------------------------------------------ observation, reset, vmap
 
 

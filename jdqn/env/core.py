@@ -403,6 +403,10 @@ def step(params: EnvParams, state: EnvState, action: jax.Array, aux: PolicyAux
     sign = jnp.where(is_last, 0.0, sign)
     intended_new = sign * _pick3(magnitude, MAGNITUDES) * cfg.max_position
     target_new = intended_new * scale
+    if cfg.lot_size > 0:  # whole lots, cut toward zero: never more than the chain allows
+        # (the 1 + 1e-6 keeps a product that is a whole number of lots but rounded a hair
+        # below it, e.g. 3 × 0.33333334, from losing a lot)
+        target_new = jnp.trunc(target_new / cfg.lot_size * (1.0 + 1e-6)) * cfg.lot_size
     new_order = (direction != HOLD) | is_last
     otype = jnp.where(is_last, MARKET, otype)
     pos = state.position
