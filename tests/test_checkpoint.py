@@ -111,6 +111,27 @@ def test_retention_keeps_best_n_by_sharpe_plus_latest_n(tmp_path):
     ck.close()
 
 
+def test_a_changed_metrics_file_cannot_promote_its_checkpoint(tmp_path):
+    import json
+    import warnings
+
+    st = _state()
+    ck = Checkpointer(tmp_path / "ck", keep_best=3, keep_latest=1, async_save=False)
+    for s, v in enumerate([1.0, 2.0, 0.5]):
+        ck.save(s, st, {"val_sharpe": v})
+    ck.close()
+    f = tmp_path / "ck" / "2" / "metrics" / "metrics"  # orbax's metrics file of step 2
+    saved = json.loads(f.read_text())
+    assert saved["val_sharpe"] == 0.5 and "sha256" in saved
+    f.write_text(json.dumps({**saved, "val_sharpe": 99.0}))  # edited after writing
+    ck = Checkpointer(tmp_path / "ck", keep_best=3, keep_latest=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ck.best_step() == 1  # not the edited step 2
+    assert any("do not match the digest" in str(w.message) for w in caught)
+    ck.close()
+
+
 def test_best_n_ranks_within_the_latest_fold(tmp_path):
     # Validation Sharpes of different folds come from different windows: a great fold-0 score
     # must not outrank the later fold's checkpoints (it did while ranking was by Sharpe alone).

@@ -25,7 +25,9 @@ by chance, about 2⁻⁶⁴ (a plain weighted sum ``Σ (2i + 1)·w_i``, the firs
 structured damage such as two sign flips). The ``extra`` item (the loop state) is covered by a
 SHA-256 of its JSON, also stored with the layout.
 
-and orbax's metrics file (``metrics``, e.g. ``{"val_sharpe": 1.3}``) used for retention.
+and orbax's metrics file (``metrics``, e.g. ``{"val_sharpe": 1.3}``) used for retention, with
+the SHA-256 of its content under ``sha256``: a metrics file changed after it was written ranks
+lowest (with a warning) instead of promoting its checkpoint.
 
 Retention keeps the union of the ``keep_best`` checkpoints with the highest ``metric`` (higher is
 better; a missing or non-finite value ranks lowest) and the ``keep_latest`` most recent ones.
@@ -224,6 +226,9 @@ def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
     return {p: int(lo) | (int(hi) << 32) for p, (lo, hi) in zip(paths, lanes, strict=True)}
 
 
+METRICS_DIGEST = "sha256"  # key of the digest stored in each checkpoint's metrics
+
+
 def extra_digest(extra: dict[str, Any]) -> str:
     """SHA-256 of the ``extra`` item's JSON (sorted keys): the loop state is checked too."""
     return hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
@@ -355,6 +360,13 @@ class Checkpointer:
         metric."""
         if not isinstance(metrics, dict):
             return -math.inf
+        if METRICS_DIGEST in metrics:  # written with a digest: a changed value ranks lowest
+            body = {k: x for k, x in metrics.items() if k != METRICS_DIGEST}
+            if metrics[METRICS_DIGEST] != extra_digest(body):
+                warnings.warn(f"checkpoint metrics {body} in {self.directory} do not match the "
+                              "digest stored with them (the file changed after it was "
+                              "written): ranked lowest for retention", stacklevel=2)
+                return -math.inf
         try:
             v = float(metrics.get(self.metric))
             g = float(metrics.get(self.group, 0))
@@ -396,6 +408,8 @@ class Checkpointer:
              extra_json: dict[str, Any] | None = None) -> None:
         """Start saving ``state`` at ``step``; returns after the device→host copy."""
         metrics = _jsonable(metrics, "metrics")
+        # Orbax's metrics file ranks retention: it carries a digest too (checked in _rank).
+        metrics = {**metrics, METRICS_DIGEST: extra_digest(metrics)}
         extra = _jsonable(extra_json, "extra_json")
         layout = layout_fingerprint(state, self.schema)
         layout["key_impls"] = _key_impls(state)
