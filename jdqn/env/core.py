@@ -405,7 +405,7 @@ def step(params: EnvParams, state: EnvState, action: jax.Array, aux: PolicyAux
     target_new = intended_new * scale
     if cfg.lot_size > 0:  # whole lots, cut toward zero: never more than the chain allows
         # (the 1 + 1e-6 keeps a product that is a whole number of lots but rounded a hair
-        # below it, e.g. 3 × 0.33333334, from losing a lot)
+        # below it, e.g. 41 × float32(1/41) = 0.99999994, from losing a lot)
         target_new = jnp.trunc(target_new / cfg.lot_size * (1.0 + 1e-6)) * cfg.lot_size
     new_order = (direction != HOLD) | is_last
     otype = jnp.where(is_last, MARKET, otype)
