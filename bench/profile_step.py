@@ -7,6 +7,11 @@ per update, summed kernel time per update, per-kind totals and the top kernels.
 
     python bench/profile_step.py --batch 16384                 # GPU, default model
     python bench/profile_step.py --quick                       # CPU smoke run (host events only)
+    python bench/profile_step.py --phase collect               # one collection step instead
+
+``device_us_per_update`` sums kernel durations; ``device_busy_us_per_update`` is the union of
+their intervals (less than the sum when kernels run side by side, ``train.gpu_graphs =
+"concurrent"``), and the wall time minus it is time the GPU sat idle.
 """
 
 from __future__ import annotations
@@ -107,6 +112,11 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "") -> dict:
     for name, (_, us, _) in by_name.items():
         kinds[kind_of(name)] += us
     total = sum(us for _, us, _ in by_name.values())
+    busy, end = 0.0, float("-inf")  # union of the kernels' [ts, ts + dur) intervals
+    for e in sorted(dev_events, key=lambda e: float(e["ts"])):
+        t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        busy += max(0.0, t1 - max(t0, end))
+        end = max(end, t1)
     ops = hlo_op_names(hlo_dir) if hlo_dir else {}
     scopes: dict = collections.Counter()
     for name, rec in by_name.items():
@@ -118,6 +128,7 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "") -> dict:
         "processes_us": {k: round(v, 1) for k, v in per_proc.most_common(12)},
         "device_kernels_per_update": round(sum(c for c, _, _ in by_name.values()) / n_updates, 1),
         "device_us_per_update": round(total / n_updates, 1),
+        "device_busy_us_per_update": round(busy / n_updates, 1),
         "kinds_us_per_update": {k: round(v / n_updates, 1) for k, v in kinds.most_common()},
         "scopes_us_per_update": {k: round(v / n_updates, 1) for k, v in scopes.most_common()},
         "top": [{"name": n[:90], "kind": kind_of(n), "calls_per_update": round(c / n_updates, 2),
@@ -139,6 +150,9 @@ def main() -> None:
     ap.add_argument("--hlo-dir", default="", help="XLA dump folder (--xla_dump_to) to attribute "
                     "kernels to the model's scopes")
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--phase", choices=("update", "collect"), default="update",
+                    help="profile the update loop (per update) or the collection loop (per "
+                    "collection step of all env.n_envs envs)")
     args = ap.parse_args()
     sets = [f"model.matmul_dtype={args.dtype}", "data.cache_dir=''",
             "data.synthetic.n_bars=200000"]
@@ -147,17 +161,23 @@ def main() -> None:
                  "train.min_replay=2000", "train.collect_steps=8"]
     cfg = load_config(args.config, sets + args.sets)
     cfg = config_from_dict(apply_overrides(to_dict(cfg), [f"train.batch_size={args.batch}"]))
-    updates, one = train_bench.filled_update_loop(cfg, args.updates)
+    if args.phase == "update":
+        updates, one = train_bench.filled_update_loop(cfg, args.updates)
+        n_steps = args.updates
+    else:
+        updates, one = train_bench.collect_loop(cfg, args.updates)
+        n_steps = args.updates * cfg.train.collect_steps
     jax.block_until_ready(updates(one))
     t = time.perf_counter()
     jax.block_until_ready(updates(one))
-    wall = (time.perf_counter() - t) / args.updates
+    wall = (time.perf_counter() - t) / n_steps
     log_dir = args.trace_dir or tempfile.mkdtemp(prefix="jdqn_trace_")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(updates(one))
-    out = {"bench": "profile_step", "batch": args.batch, "matmul_dtype": args.dtype,
-           "sets": args.sets, "wall_us_per_update": round(1e6 * wall, 1),
-           **summarise(_load_trace(log_dir), args.updates, args.top, args.hlo_dir)}
+    out = {"bench": "profile_step", "phase": args.phase, "batch": args.batch,
+           "n_envs": cfg.env.n_envs, "matmul_dtype": args.dtype, "sets": args.sets,
+           "wall_us_per_update": round(1e6 * wall, 1),
+           **summarise(_load_trace(log_dir), n_steps, args.top, args.hlo_dir)}
     dev = jax.devices()[0]
     out.update(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
                date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))

@@ -2,7 +2,10 @@
 
 Prints one JSON object. Everything timed is the same jitted code the trainer runs
 (``jdqn.train.epoch``): the update loop is ``lax.scan`` over ``train_step`` (PER sample → rebuild
-observations → loss → clip+AdamW → Polyak → priorities → finite checks) on a pre-filled replay;
+observations → loss → clip+AdamW → Polyak → priorities → finite checks) on a replay filled to
+its capacity with collected transitions, as in training once the first epoch has filled it (the
+batch then gathers from the whole buffer; ``--fill batch`` fills only what the largest batch
+needs, as versions before 2026-11-30 evening did, which let a 262,144-item replay sit in L2);
 collection is ``collect`` (network forward + per-branch exploration + env step + reward
 normalisation) on N envs; the epoch is ``make_epoch_fn`` with the config's sizes.
 
@@ -57,9 +60,10 @@ def build(cfg):
     return p, env_params, state
 
 
-def filled_update_loop(cfg, n_updates: int):
+def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
     """``(updates, state)``: a jitted ``lax.scan`` of ``n_updates`` train steps and a single-seed
-    state whose replay holds real collected transitions (enough for any batch). With
+    state whose replay holds real collected transitions: up to its capacity (``fill_to =
+    "capacity"``) or four collection chunks (``"batch"``, enough for any batch). With
     ``parallel.n_devices > 1`` both run under ``shard_map`` on the devices, as the epoch does
     (each device updates on its B/D share; the reported loss is device 0's)."""
     p, env_params, state = build(cfg)
@@ -74,7 +78,11 @@ def filled_update_loop(cfg, n_updates: int):
             s, items, valid = epoch_lib.to_transitions(learner, s, chunk)
             return epoch_lib.insert(s, items, valid), None
 
-        return jax.lax.scan(body, st, None, length=4)[0]
+        return jax.lax.scan(body, st, None, length=n_chunks)[0]
+
+    c = cfg.train
+    per_chunk = c.collect_steps * cfg.env.n_envs  # global sizes, as replay_capacity
+    n_chunks = 4 if fill_to == "batch" else max(4, -(-c.replay_capacity // per_chunk))
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
                        gpu_graphs=cfg.train.gpu_graphs)
@@ -88,9 +96,9 @@ def filled_update_loop(cfg, n_updates: int):
     return updates, fill(jax.tree.map(lambda x: x[0], state))
 
 
-def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
+def bench_updates(cfg, batch: int, n_updates: int, repeats: int, fill: str = "capacity") -> dict:
     cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
-    updates, one = filled_update_loop(cfg, n_updates)
+    updates, one = filled_update_loop(cfg, n_updates, fill)
     jax.block_until_ready(updates(one))  # compile + warm-up
     sec = _time(lambda: updates(one), repeats)
     per = sec / n_updates
@@ -98,10 +106,11 @@ def bench_updates(cfg, batch: int, n_updates: int, repeats: int) -> dict:
             "samples_per_s": batch / per, "replay_size": int(one.replay.size)}
 
 
-def bench_collect(cfg, repeats: int) -> dict:
+def collect_loop(cfg, n_chunks: int = 8):
+    """``(collect, state)``: a jitted ``lax.scan`` of ``n_chunks`` collection chunks (each
+    ``train.collect_steps`` steps of all envs, as in the epoch) and a single-seed state."""
     p, env_params, state = build(cfg)
     learner = p.learner
-    one = jax.tree.map(lambda x: x[0], state)
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
                        gpu_graphs=cfg.train.gpu_graphs)
@@ -110,8 +119,13 @@ def bench_collect(cfg, repeats: int) -> dict:
             s, _, stats = epoch_lib.collect(learner, s, env_params)
             return s, stats["reward_raw"]
 
-        return jax.lax.scan(body, st, None, length=8)
+        return jax.lax.scan(body, st, None, length=n_chunks)
 
+    return collect, jax.tree.map(lambda x: x[0], state)
+
+
+def bench_collect(cfg, repeats: int) -> dict:
+    collect, one = collect_loop(cfg, 8)
     jax.block_until_ready(collect(one))
     sec = _time(lambda: collect(one), repeats)
     steps = 8 * cfg.train.collect_steps * cfg.env.n_envs
@@ -159,6 +173,9 @@ def main() -> None:
     ap.add_argument("--batches", default="")
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fill", choices=("capacity", "batch"), default="capacity",
+                    help="fill the replay to its capacity before timing updates (as in "
+                    "training), or only with four collection chunks (the older figures)")
     ap.add_argument("--skip-epoch", action="store_true")
     ap.add_argument("--skip-collect", action="store_true")
     ap.add_argument("--set", dest="sets", action="append", default=[],
@@ -197,11 +214,13 @@ def main() -> None:
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "n_devices": base.parallel.n_devices, "device_count": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_graphs": base.train.gpu_graphs,
-        "compiler_options": xla_options.compiler_options(base.train.gpu_graphs),
+        # the update loop and collection: one seed (the epoch: train.seeds)
+        "compiler_options": xla_options.compiler_options(xla_options.resolve(
+            base.train.gpu_graphs, 1, parallel.resolve_n_devices(base))),
         "jax": jax.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "complete": False, "updates": [],
+        "complete": False, "replay_fill": args.fill, "updates": [],
     }
 
     def checkpoint() -> None:  # a run cut short by a time limit keeps what it measured
@@ -211,7 +230,7 @@ def main() -> None:
             tmp.replace(args.out)
 
     for b in batches:
-        out["updates"].append(bench_updates(base, b, n_up, args.repeats))
+        out["updates"].append(bench_updates(base, b, n_up, args.repeats, args.fill))
         checkpoint()
     if not args.skip_collect:
         out["collect"] = bench_collect(base, args.repeats)
