@@ -94,6 +94,20 @@ def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
 # --------------------------------------------------------------------------------------------
 
 
+def test_one_seed_runs_the_epoch_unvmapped_so_its_update_cond_stays_a_cond():
+    """With one seed the epoch is not vmapped over seeds: the ``lax.cond`` that skips the
+    updates until the replay is ready stays a conditional. Vmapped (two seeds) its predicate is
+    batched and it becomes a select that runs both branches, which on the H200 cost 1.2 ms of a
+    26 ms gpu.toml iteration and made concurrent CUDA graphs slow the epoch (that seed 0
+    trains bitwise the same either way is ``test_a_seed_trains_the_same_alone_and_beside_...``
+    in test_folds.py)."""
+    for seeds, conds in (("[0]", True), ("[0, 1]", False)):
+        cfg = tiny_config(f"train.seeds={seeds}")
+        p, env_params, state = _setup(cfg)
+        text = str(jax.make_jaxpr(make_epoch_fn(p.learner))(state, env_params, jnp.asarray(0)))
+        assert ("cond[" in text) is conds, seeds
+
+
 def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
     """One compiled epoch program for the whole run: across epochs, a stopped seed's mask, a
     learning-rate change, a new fold and a state restored from a checkpoint (orbax returns

@@ -370,7 +370,19 @@ def make_epoch_fn(learner: Learner):
             out["replay_size"] = parallel.psum(out["replay_size"], ax)
         return state, out
 
-    vm = jax.vmap(epoch_one, in_axes=(0, None, None))
+    vmapped = jax.vmap(epoch_one, in_axes=(0, None, None))
+
+    def vm(state: TrainState, env_params, fold):
+        # One seed runs the plain epoch. Under vmap the `lax.cond` that skips the updates
+        # until the replay is ready has a batched predicate, so it becomes a select that runs
+        # both branches: on the H200 a gpu.toml iteration took 26.2 ms and 4488 kernels that
+        # way, 25.0 ms and 4123 kernels this way, and the epoch under train.gpu_graphs =
+        # "concurrent" 6.49 s vs 4.15 s (bench/results/epoch_h200_one_seed.json).
+        if jax.tree.leaves(state)[0].shape[0] == 1:
+            new, out = epoch_one(jax.tree.map(lambda x: x[0], state), env_params, fold)
+            return jax.tree.map(lambda x: x[None], (new, out))
+        return vmapped(state, env_params, fold)
+
     mesh = parallel.make_mesh(learner.n_devices) if ax is not None else None
 
     def run(state: TrainState, env_params, fold, active: jax.Array | None = None):
@@ -385,7 +397,8 @@ def make_epoch_fn(learner: Learner):
             new = select_seeds(active, new, state)
         return new, out
 
-    jitted = xla_options.jit(run, c.gpu_graphs, donate_argnums=(0,))
+    jitted = xla_options.jit(run, c.gpu_graphs, n_seeds=len(c.seeds),
+                             n_devices=learner.n_devices, donate_argnums=(0,))
     if mesh is None:
         return jitted
 
