@@ -9,23 +9,24 @@ On the GPU, XLA records runs of kernels as CUDA graphs ("command buffers"). By d
 * ``xla_gpu_enable_command_buffer`` = XLA's default command types plus ``WHILE`` and
   ``CONDITIONAL``: whole loops are captured as graphs too.
 
-Measured on the H200 (``bench/results/train_h200_gpu_graphs.json``), it is a trade, which is why
-it is not the default:
+``gpu_graphs = "auto"`` (the default) takes "concurrent" for a program that trains one seed on
+one device and "xla" otherwise, from what the H200 measured (``bench/results/
+train_h200_gpu_graphs.json`` and ``epoch_h200_one_seed.json``; float32 unless said):
 
-* the update loop alone gets faster: B = 16384 from 4.15–4.18 to 3.70 ms (float32) and from
-  2.81 to 2.37 ms (bf16); B = 256 from 0.86 to 0.63 ms. The update has much independent work
-  (three network forwards, the weight and input gradients of each layer, per-leaf optimiser
-  updates) in kernels too small to fill the GPU;
-* the ``configs/gpu.toml`` epoch, which collects 13 M env steps beside its 800 updates in the
-  same program, gets slower: 6.49 s against 5.22 s (6.42 s without the loop graphs), and its
-  peak memory grows from 1.83 to 2.33 GB.
+* one seed (``configs/gpu.toml``): the update at B = 16384 takes 3.72 ms against 4.16 (bf16 2.36
+  against 2.79), B = 256 0.63 against 0.86 ms; the epoch (800 updates + 13.1 M env steps)
+  takes **4.15 s against 5.00 s**; peak memory grows from 2.06 to 2.67 GB. The update has much
+  independent work (three network forwards, each layer's weight and input gradients, the
+  optimiser's per-leaf updates) in kernels too small to fill the GPU;
+* two seeds (vmapped): the epoch takes 10.17 s against 8.44 s, so "auto" stays with XLA's graphs.
+  (Before the one-seed epoch stopped being vmapped, one seed measured like this too: 6.49
+  against 5.22 s; why the vmapped program loses is not known);
+* data parallel: not measured with "concurrent", so "auto" stays with XLA's graphs.
 
-So it can pay for configs whose epochs are mostly updates (many ``updates_per_iter``, few envs);
-time your config with ``bench/train.py --set train.gpu_graphs=concurrent``. Each kernel computes
-what it computed before: the final state after two 20-iteration epochs at ``gpu.toml`` sizes
-is bitwise identical under both settings. The options are per program (``jax.jit(compiler_options=…)``), not
-process-wide, and a key the user sets in ``XLA_FLAGS`` wins over ours. On the CPU there are no
-command buffers and no options are passed. Measured on one GPU only (not under data parallel).
+Each kernel computes what it computed before: the final state after two 20-iteration epochs at
+``gpu.toml`` sizes is bitwise identical under both settings. The options are per program
+(``jax.jit(compiler_options=…)``), not process-wide, and a key the user sets in ``XLA_FLAGS``
+wins over ours. On the CPU there are no command buffers and no options are passed.
 """
 
 from __future__ import annotations
@@ -46,14 +47,29 @@ CONCURRENT_GRAPHS: dict[str, str] = {
 }
 
 
+SETTINGS = ("auto", "concurrent", "xla")
+
+
+def resolve(gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1) -> str:
+    """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` for one seed on one
+    device and ``"xla"`` otherwise (see the module's measurements); the others are themselves."""
+    if gpu_graphs not in SETTINGS:
+        raise ValueError(f"train.gpu_graphs must be one of {', '.join(map(repr, SETTINGS))}, "
+                         f"got {gpu_graphs!r}")
+    if gpu_graphs != "auto":
+        return gpu_graphs
+    return "concurrent" if n_seeds == 1 and n_devices == 1 else "xla"
+
+
 def compiler_options(gpu_graphs: str, backend: str | None = None,
                      xla_flags: str | None = None) -> dict[str, str] | None:
     """The ``compiler_options`` for a training program under ``train.gpu_graphs``: None on a
     non-GPU backend or with ``"xla"``; otherwise :data:`CONCURRENT_GRAPHS` less any key that
     ``XLA_FLAGS`` already sets (the user's flag wins). ``backend``/``xla_flags`` default to
     JAX's default backend and the environment (arguments for tests)."""
-    if gpu_graphs not in ("concurrent", "xla"):
-        raise ValueError(f"train.gpu_graphs must be 'concurrent' or 'xla', got {gpu_graphs!r}")
+    if gpu_graphs not in ("concurrent", "xla"):  # resolved settings only (see resolve)
+        raise ValueError(f"gpu_graphs must be resolved to 'concurrent' or 'xla', got "
+                         f"{gpu_graphs!r}")
     backend = jax.default_backend() if backend is None else backend
     if gpu_graphs == "xla" or backend != "gpu":
         return None
@@ -62,9 +78,10 @@ def compiler_options(gpu_graphs: str, backend: str | None = None,
     return opts or None
 
 
-def jit(fn: Any, gpu_graphs: str, **kw: Any) -> Any:
-    """``jax.jit(fn, **kw)`` with :func:`compiler_options` when there are any."""
-    opts = compiler_options(gpu_graphs)
+def jit(fn: Any, gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1, **kw: Any) -> Any:
+    """``jax.jit(fn, **kw)`` with the :func:`compiler_options` of ``gpu_graphs`` resolved for a
+    program of ``n_seeds`` seeds on ``n_devices`` devices, when there are any."""
+    opts = compiler_options(resolve(gpu_graphs, n_seeds, n_devices))
     if opts:
         kw["compiler_options"] = opts
     return jax.jit(fn, **kw)
