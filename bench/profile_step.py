@@ -10,8 +10,12 @@ per update, summed kernel time per update, per-kind totals and the top kernels.
     python bench/profile_step.py --phase collect               # one collection step instead
 
 ``device_us_per_update`` sums kernel durations; ``device_busy_us_per_update`` is the union of
-their intervals (less than the sum when kernels run side by side, ``train.gpu_graphs =
-"concurrent"``), and the wall time minus it is time the GPU sat idle.
+their intervals on each device, averaged over the devices (less than the sum when kernels run
+side by side under concurrent CUDA graphs), and the wall time minus it is time the GPU sat
+idle. With ``--phase collect`` every ``*_per_update`` figure is per collection step of all
+envs (``per`` says which) and ``--updates`` counts collection chunks. Kernels inside a loop that
+XLA captured whole as a CUDA graph (``train.gpu_graphs`` concurrent) do not appear in the trace:
+profile with ``--set train.gpu_graphs=xla`` to see them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import jax
 import train as train_bench
 
 from jdqn.config import apply_overrides, config_from_dict, load_config, to_dict
+from jdqn.train import parallel, xla_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,11 +79,12 @@ def _scope(op_name: str) -> str:
     return bwd + tail.split("/")[-1][:24] if tail else "?"
 
 
-def hlo_op_names(hlo_dir: str) -> dict:
-    """Kernel name → HLO op_name metadata, from the dumped optimised HLO of ``jit(updates)``."""
+def hlo_op_names(hlo_dir: str, program: str = "updates") -> dict:
+    """Kernel name → HLO op_name metadata, from the dumped optimised HLO of ``jit(program)``
+    (``updates`` or ``collect``)."""
     import re
 
-    files = sorted(glob.glob(os.path.join(hlo_dir, "*jit_updates*after_optimizations.txt")))
+    files = sorted(glob.glob(os.path.join(hlo_dir, f"*jit_{program}*after_optimizations.txt")))
     if not files:
         return {}
     names = {}
@@ -88,7 +94,8 @@ def hlo_op_names(hlo_dir: str) -> dict:
     return names
 
 
-def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "") -> dict:
+def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "",
+              program: str = "updates") -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pname = {e["pid"]: e.get("args", {}).get("name", "")
              for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -112,12 +119,15 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "") -> dict:
     for name, (_, us, _) in by_name.items():
         kinds[kind_of(name)] += us
     total = sum(us for _, us, _ in by_name.values())
-    busy, end = 0.0, float("-inf")  # union of the kernels' [ts, ts + dur) intervals
+    busy_per_dev: dict = collections.Counter()  # per device: union of [ts, ts + dur)
+    ends: dict = {}
     for e in sorted(dev_events, key=lambda e: float(e["ts"])):
         t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        busy += max(0.0, t1 - max(t0, end))
-        end = max(end, t1)
-    ops = hlo_op_names(hlo_dir) if hlo_dir else {}
+        end = ends.get(e["pid"], float("-inf"))
+        busy_per_dev[e["pid"]] += max(0.0, t1 - max(t0, end))
+        ends[e["pid"]] = max(end, t1)
+    busy = sum(busy_per_dev.values()) / max(1, len(busy_per_dev))  # mean over devices
+    ops = hlo_op_names(hlo_dir, program) if hlo_dir else {}
     scopes: dict = collections.Counter()
     for name, rec in by_name.items():
         op = ops.get(name.replace(".", "_").replace("-", "_"), "")
@@ -174,10 +184,17 @@ def main() -> None:
     log_dir = args.trace_dir or tempfile.mkdtemp(prefix="jdqn_trace_")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(updates(one))
-    out = {"bench": "profile_step", "phase": args.phase, "batch": args.batch,
-           "n_envs": cfg.env.n_envs, "matmul_dtype": args.dtype, "sets": args.sets,
+    graphs = xla_options.resolve(cfg.train.gpu_graphs, len(cfg.train.seeds),
+                                 parallel.resolve_n_devices(cfg))
+    out = {"bench": "profile_step", "phase": args.phase,
+           "per": "update" if args.phase == "update" else "collection step",
+           "batch": args.batch, "n_envs": cfg.env.n_envs, "matmul_dtype": args.dtype,
+           "sets": args.sets, "gpu_graphs": graphs,
+           "compiler_options": xla_options.compiler_options(graphs),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "wall_us_per_update": round(1e6 * wall, 1),
-           **summarise(_load_trace(log_dir), n_steps, args.top, args.hlo_dir)}
+           **summarise(_load_trace(log_dir), n_steps, args.top, args.hlo_dir,
+                       "updates" if args.phase == "update" else "collect")}
     dev = jax.devices()[0]
     out.update(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
                date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))

@@ -28,6 +28,27 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     (row,) = printed["updates"]
     assert row["batch"] == 64 and row["ms_per_update"] > 0
     assert row["samples_per_s"] == pytest.approx(64 * row["updates_per_s"])
+    # updates are timed on a replay filled to its capacity (--quick: 100,000), as in training
+    assert printed["replay_fill"] == "capacity" and row["replay_size"] == 100_000
+    # one seed on one device: "auto" resolves to concurrent graphs, which the CPU has none of
+    assert printed["gpu_graphs_resolved"] == "concurrent" and printed["compiler_options"] is None
+
+
+def test_profile_summary_counts_each_devices_busy_time_once():
+    """Overlapping kernels (concurrent CUDA graphs) count once in the busy time, per device,
+    averaged over devices; the summed kernel time counts them all."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import profile_step
+
+    meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+            for pid, name in ((1, "/device:GPU:0"), (2, "/device:GPU:1"), (3, "/host:CPU"))]
+    spans = [(1, 0, 10), (1, 5, 10), (1, 20, 5), (2, 0, 4), (3, 0, 100)]
+    events = meta + [{"ph": "X", "name": f"k{i}", "pid": pid, "ts": ts, "dur": dur}
+                     for i, (pid, ts, dur) in enumerate(spans)]
+    out = profile_step.summarise({"traceEvents": events}, n_updates=2, top=3)
+    assert out["device_us_per_update"] == (10 + 10 + 5 + 4) / 2
+    assert out["device_busy_us_per_update"] == (20 + 4) / 2 / 2  # device 0: 15 + 5; device 1: 4
+    assert out["device_kernels_per_update"] == 2.0
 
 
 def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):

@@ -97,15 +97,45 @@ def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
 def test_one_seed_runs_the_epoch_unvmapped_so_its_update_cond_stays_a_cond():
     """With one seed the epoch is not vmapped over seeds: the ``lax.cond`` that skips the
     updates until the replay is ready stays a conditional. Vmapped (two seeds) its predicate is
-    batched and it becomes a select that runs both branches, which on the H200 cost 1.2 ms of a
-    26 ms gpu.toml iteration and made concurrent CUDA graphs slow the epoch (that seed 0
-    trains bitwise the same either way is ``test_a_seed_trains_the_same_alone_and_beside_...``
-    in test_folds.py)."""
+    batched and it becomes a select that runs both branches: on the H200 a gpu.toml iteration
+    took 26.2 ms that way and 25.0 ms unvmapped, and concurrent CUDA graphs sped the unvmapped
+    epoch up where they had slowed the vmapped one (that seed 0 trains bitwise the same either
+    way on the test config is ``test_a_seed_trains_the_same_alone_and_beside_...`` in
+    test_folds.py). A state whose seed count is not the config's is refused."""
     for seeds, conds in (("[0]", True), ("[0, 1]", False)):
         cfg = tiny_config(f"train.seeds={seeds}")
         p, env_params, state = _setup(cfg)
         text = str(jax.make_jaxpr(make_epoch_fn(p.learner))(state, env_params, jnp.asarray(0)))
         assert ("cond[" in text) is conds, seeds
+    two = jax.tree.map(lambda x: jnp.concatenate([x, x]), state)  # 4 seeds' state
+    with pytest.raises(ValueError, match="the state has 4 seeds, train.seeds has 2"):
+        jax.make_jaxpr(make_epoch_fn(p.learner))(two, env_params, jnp.asarray(0))
+
+
+def test_a_one_seed_job_runs_its_epochs_without_a_seed_mask(tmp_path, monkeypatch):
+    """One seed is always active while its fold runs (the fold ends when it stops), so the job
+    passes no mask: with one, the epoch keeps its input state alive to select from (one more
+    state's device memory). Several seeds get the mask every epoch (one compilation)."""
+    masks: dict[int, list] = {1: [], 2: []}
+    real = job_lib.make_epoch_fn
+
+    def spy(learner):
+        fn = real(learner)
+
+        def run(state, env_params, fold, active=None):
+            masks[len(learner.cfg.train.seeds)].append(active)
+            return fn(state, env_params, fold, active)
+
+        run._cache_size = fn._cache_size  # the job reports its compile count
+        return run
+
+    monkeypatch.setattr(job_lib, "make_epoch_fn", spy)
+    common = ("train.epochs_per_fold=2", "train.n_folds=1", "train.iters_per_epoch=2",
+              "logging.tensorboard=false", "checkpoint.enabled=false")
+    job_lib.run_job(tiny_config("train.seeds=[0]", *common), tmp_path / "a", quiet=True)
+    job_lib.run_job(tiny_config("train.seeds=[0, 1]", *common), tmp_path / "b", quiet=True)
+    assert masks[1] and all(m is None for m in masks[1])
+    assert masks[2] and all(m is not None and m.shape == (2,) for m in masks[2])
 
 
 def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):

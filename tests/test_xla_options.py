@@ -3,6 +3,8 @@ reach the compilations (the GPU timing and bitwise checks are in bench/results).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +52,24 @@ def test_a_key_set_in_xla_flags_is_left_to_the_user():
                     xla_options.CONCURRENT_GRAPHS["xla_gpu_enable_command_buffer"]}
     both = flags + " --xla_gpu_enable_command_buffer="
     assert xla_options.compiler_options("concurrent", backend="gpu", xla_flags=both) is None
+
+
+def test_auto_gives_data_parallel_programs_xla_graphs(monkeypatch):
+    """The epoch and ``parallel.on_devices`` resolve "auto" with the program's device count
+    (and the epoch with its seed count): concurrent for one seed on one device only. Checked
+    at construction, which needs no second device (the mesh is stubbed)."""
+    seen = []
+    monkeypatch.setattr(xla_options, "compiler_options", lambda g, *a, **k: seen.append(g))
+    monkeypatch.setattr(parallel, "make_mesh", lambda n: object())
+    p = job_lib.prepare(tiny_config("train.gpu_graphs=auto"))
+    epoch_lib.make_epoch_fn.__wrapped__(dataclasses.replace(p.learner, n_devices=2))
+    parallel.on_devices(lambda s: s, 2, gpu_graphs="auto")
+    epoch_lib.make_epoch_fn.__wrapped__(p.learner)
+    parallel.on_devices(lambda s: s, 1, gpu_graphs="auto")
+    parallel.on_devices(lambda s: s, 1, gpu_graphs="auto", n_seeds=3)  # a 3-seed config's pieces
+    p3 = job_lib.prepare(tiny_config("train.gpu_graphs=auto", "train.seeds=[0, 1, 2]"))
+    epoch_lib.make_epoch_fn.__wrapped__(p3.learner)
+    assert seen == ["xla", "xla", "concurrent", "concurrent", "xla", "xla"]
 
 
 def test_this_jax_accepts_the_options():

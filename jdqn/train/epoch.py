@@ -376,9 +376,13 @@ def make_epoch_fn(learner: Learner):
         # One seed runs the plain epoch. Under vmap the `lax.cond` that skips the updates
         # until the replay is ready has a batched predicate, so it becomes a select that runs
         # both branches: on the H200 a gpu.toml iteration took 26.2 ms and 4488 kernels that
-        # way, 25.0 ms and 4123 kernels this way, and the epoch under train.gpu_graphs =
-        # "concurrent" 6.49 s vs 4.15 s (bench/results/epoch_h200_one_seed.json).
-        if jax.tree.leaves(state)[0].shape[0] == 1:
+        # way, 25.0 ms and 4123 kernels this way (bench/results/epoch_h200_one_seed.json); the
+        # epoch under train.gpu_graphs = "concurrent" 4.15 s this way, 6.49 s that way
+        # (train_h200_gpu_graphs.json, before the limit-order slots).
+        n_state = jax.tree.leaves(state)[0].shape[0]
+        if n_state != len(c.seeds):
+            raise ValueError(f"the state has {n_state} seeds, train.seeds has {len(c.seeds)}")
+        if len(c.seeds) == 1:
             new, out = epoch_one(jax.tree.map(lambda x: x[0], state), env_params, fold)
             return jax.tree.map(lambda x: x[None], (new, out))
         return vmapped(state, env_params, fold)

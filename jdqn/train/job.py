@@ -376,7 +376,10 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             # A seed out of patience is frozen (its state does not move) while the others
             # train on, so every seed's run is the one it would have alone.
             active = [b < tc.patience for b in progress["bad_epochs"]]
-            state, metrics = epoch_fn(state, train_env, fold_arr, jnp.asarray(active))
+            # One seed is always active here (its fold ends when it stops): no mask, so the
+            # epoch does not keep its input state alive to select from (one state's memory).
+            mask = jnp.asarray(active) if n_seeds > 1 else None
+            state, metrics = epoch_fn(state, train_env, fold_arr, mask)
             metrics, monitor = jax.device_get((metrics, state.monitor))
             safety.raise_if_halted(monitor, CHECKED_TENSORS, tc.seeds)
             q_now = [float(x) for x in metrics["collect"]["q_abs_mean"]]
