@@ -70,6 +70,9 @@ def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
     p, env_params, state = build(cfg)
     learner = p.learner
     fold = jnp.asarray(0, jnp.int32)
+    c = cfg.train
+    per_chunk = c.collect_steps * cfg.env.n_envs  # global sizes, as replay_capacity
+    n_chunks = 4 if fill_to == "batch" else max(4, -(-c.replay_capacity // per_chunk))
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices,
                        gpu_graphs=cfg.train.gpu_graphs, n_seeds=len(cfg.train.seeds))
@@ -80,10 +83,6 @@ def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
             return epoch_lib.insert(s, items, valid), None
 
         return jax.lax.scan(body, st, None, length=n_chunks)[0]
-
-    c = cfg.train
-    per_chunk = c.collect_steps * cfg.env.n_envs  # global sizes, as replay_capacity
-    n_chunks = 4 if fill_to == "batch" else max(4, -(-c.replay_capacity // per_chunk))
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
                        gpu_graphs=cfg.train.gpu_graphs, n_seeds=len(cfg.train.seeds))
@@ -97,9 +96,10 @@ def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
     return updates, fill(jax.tree.map(lambda x: x[0], state))
 
 
-def bench_updates(cfg, batch: int, n_updates: int, repeats: int, fill: str = "capacity") -> dict:
+def bench_updates(cfg, batch: int, n_updates: int, repeats: int,
+                  fill_to: str = "capacity") -> dict:
     cfg = config_from_dict(apply_overrides(_as_dict(cfg), [f"train.batch_size={batch}"]))
-    updates, one = filled_update_loop(cfg, n_updates, fill)
+    updates, one = filled_update_loop(cfg, n_updates, fill_to)
     jax.block_until_ready(updates(one))  # compile + warm-up
     sec = _time(lambda: updates(one), repeats)
     per = sec / n_updates
@@ -201,6 +201,10 @@ def main() -> None:
                  "train.min_replay=2000", "train.iters_per_epoch=10",
                  "train.collect_steps=8", "train.updates_per_iter=2", "train.batch_size=1024"]
     base = load_config(args.config, sets + args.sets)
+    # what the epoch of this config compiles with; the update loop and collection pieces (one
+    # seed's state) are compiled the same way (parallel.on_devices' n_seeds)
+    graphs = xla_options.resolve(base.train.gpu_graphs, len(base.train.seeds),
+                                 parallel.resolve_n_devices(base))
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else ([256, 1024] if args.quick else [256, 4096, 16384]))
     n_up = 10 if args.quick else args.updates
@@ -215,12 +219,7 @@ def main() -> None:
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "n_devices": base.parallel.n_devices, "device_count": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "gpu_graphs": base.train.gpu_graphs,
-        # what the epoch of this config compiles with; the update loop and collection pieces
-        # (one seed's state) are compiled the same way
-        "gpu_graphs_resolved": xla_options.resolve(base.train.gpu_graphs, len(base.train.seeds),
-                                                   parallel.resolve_n_devices(base)),
-        "compiler_options": xla_options.compiler_options(xla_options.resolve(
-            base.train.gpu_graphs, len(base.train.seeds), parallel.resolve_n_devices(base))),
+        "gpu_graphs_resolved": graphs, "compiler_options": xla_options.compiler_options(graphs),
         "jax": jax.__version__,
         "python": platform.python_version(), "cpu_count": os.cpu_count(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
