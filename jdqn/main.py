@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_runs_dir(cfg_path: str) -> Path:
+    """``runs/<config name>``: where a run goes without ``--output-dir`` (a timestamped folder
+    inside it)."""
+    return Path("runs") / Path(cfg_path).stem
+
+
 def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> Path:
     """Pick the run folder and refuse to overwrite an existing run without ``--resume``.
 
@@ -77,7 +83,7 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
             raise ConfigError("--resume needs --output-dir naming the run to continue")
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         for n in itertools.count(1):
-            out = Path("runs") / Path(cfg_path).stem / (stamp if n == 1 else f"{stamp}-{n}")
+            out = default_runs_dir(cfg_path) / (stamp if n == 1 else f"{stamp}-{n}")
             try:
                 out.mkdir(parents=True)
                 return out
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                               "the one file); use XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                               "for bitwise reproducible multi-host runs")
         target = (Path(args.output_dir) if args.output_dir is not None
-                  else Path("runs") / Path(args.config).stem)
+                  else default_runs_dir(args.config))
         existed = {d for d in (target, *target.parents) if d.exists()}  # before this run
         out = None if multi else resolve_output_dir(args.config, args.output_dir, args.resume)
         fresh = out if not (multi or args.resume) else None  # this invocation's new run
