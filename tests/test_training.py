@@ -94,22 +94,72 @@ def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
 # --------------------------------------------------------------------------------------------
 
 
-def test_one_seed_runs_the_epoch_unvmapped_so_its_update_cond_stays_a_cond():
-    """With one seed the epoch is not vmapped over seeds: the ``lax.cond`` that skips the
-    updates until the replay is ready stays a conditional. Vmapped (two seeds) its predicate is
-    batched and it becomes a select that runs both branches: on the H200 a gpu.toml iteration
-    took 26.2 ms that way and 25.0 ms unvmapped, and concurrent CUDA graphs sped the unvmapped
-    epoch up where they had slowed the vmapped one (that seed 0 trains bitwise the same either
-    way on the test config is ``test_a_seed_trains_the_same_alone_and_beside_...`` in
-    test_folds.py). A state whose seed count is not the config's is refused."""
-    for seeds, conds in (("[0]", True), ("[0, 1]", False)):
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_the_update_skip_stays_a_conditional_for_one_seed_and_for_several():
+    """The conditional that skips the updates until the replay is ready stays a conditional:
+    vmapped over seeds its predicate would be batched and it would become a select running the
+    updates and the skip every iteration (on the H200 a one-seed gpu.toml iteration took
+    26.2 ms that way and 25.0 ms without, and concurrent CUDA graphs slowed that form's epoch).
+    One seed runs the plain epoch (a two-way cond); several run `iteration_seeds` (a three-way
+    switch: all ready, some, none). A state whose seed count is not the config's is refused."""
+    for seeds, n_branches in (("[0]", 2), ("[0, 1]", 3)):
         cfg = tiny_config(f"train.seeds={seeds}")
         p, env_params, state = _setup(cfg)
-        text = str(jax.make_jaxpr(make_epoch_fn(p.learner))(state, env_params, jnp.asarray(0)))
-        assert ("cond[" in text) is conds, seeds
+        jaxpr = jax.make_jaxpr(make_epoch_fn(p.learner))(state, env_params, jnp.asarray(0))
+        skips = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "cond"
+                 and any("dot_general" in str(br) for br in e.params["branches"])]
+        assert [len(e.params["branches"]) for e in skips] == [n_branches], seeds
+        # one branch of it is the skip: no matmul there
+        assert sum("dot_general" not in str(br) for br in skips[0].params["branches"]) == 1
     two = jax.tree.map(lambda x: jnp.concatenate([x, x]), state)  # 4 seeds' state
     with pytest.raises(ValueError, match="the state has 4 seeds, train.seeds has 2"):
         jax.make_jaxpr(make_epoch_fn(p.learner))(two, env_params, jnp.asarray(0))
+
+
+def test_seeds_ready_for_updates_at_different_iterations_train_as_vmapped_iterations():
+    """Several seeds whose replays become ready at different iterations (one fresh, one a
+    trained epoch ahead) go through the switch's "some ready" branch, then "all ready". The
+    result is bitwise the one of the definition — ``vmap`` of the one-seed iteration, whose
+    conditional becomes a select — and each seed's is the one-seed epoch's up to rounding
+    (vmapped matmuls may round differently on the CPU)."""
+    from jdqn.train import epoch as epoch_lib
+
+    common = ("train.iters_per_epoch=6", "train.min_replay=150")
+    cfg1, cfg2 = tiny_config("train.seeds=[0]", *common), tiny_config("train.seeds=[0, 1]",
+                                                                       *common)
+    p1, env_params, fresh = _setup(cfg1)
+    p2, _, both = _setup(cfg2)
+    one, two = make_epoch_fn(p1.learner), make_epoch_fn(p2.learner)
+    ahead, _ = one(jax.tree.map(lambda x: x[1:], both), env_params, jnp.asarray(0))
+    assert int(fresh.replay.size[0]) == 0
+    mixed = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), fresh, ahead)
+
+    @jax.jit
+    def definition(st):
+        it = jax.vmap(lambda s: epoch_lib.iteration(p2.learner, s, env_params, jnp.asarray(0)))
+        return jax.lax.scan(lambda s, _: it(s), st, None, length=cfg2.train.iters_per_epoch)
+
+    want, want_m = definition(mixed)
+    got, got_m = two(jax.tree.map(lambda x: jnp.array(x, copy=True), mixed), env_params,
+                     jnp.asarray(0))
+    assert _leaves_equal(got, want)
+    assert np.array_equal(got_m["n_updates"], want_m["n_updates"].sum(0))
+    # seed 0 was not ready for its first iterations, seed 1 was ready throughout
+    n_up = np.asarray(got_m["n_updates"])
+    assert 0 < n_up[0] < n_up[1] == cfg2.train.iters_per_epoch * cfg2.train.updates_per_iter
+    assert np.array_equal(got_m["update"]["loss_total"], want_m["update"]["loss_total"].sum(0)
+                          / n_up)
+    for i, st in enumerate((fresh, ahead)):
+        alone, _ = one(st, env_params, jnp.asarray(0))
+        for x, y in zip(jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i:i + 1], got.params)),
+                        jax.tree.leaves(alone.params), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 def test_a_one_seed_job_runs_its_epochs_without_a_seed_mask(tmp_path, monkeypatch):

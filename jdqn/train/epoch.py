@@ -271,9 +271,11 @@ def _check_params(state: TrainState, fold: jax.Array) -> TrainState:
                                                        fold))
 
 
-def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
-              fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-    """Collect K steps → insert → M updates (skipped until the replay holds min_replay)."""
+def _collect_and_insert(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+                        fold: jax.Array) -> tuple[TrainState, dict[str, Any], jax.Array]:
+    """An iteration up to its updates: collect K steps → insert, with the finite checks.
+    Returns the state, the collection statistics and whether the replay is ready for updates
+    (bool [])."""
     c = learner.cfg.train
     if c.finite_checks:
         # Params are checked before they act, so a corrupted parameter is reported as 'params'
@@ -294,20 +296,68 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
     # they all the replay held, PER's all-zero fallback would sample them uniformly and give
     # them a priority, making fake transitions from bar 0 training data).
     ready = parallel.psum(per.n_sampleable(state.replay), learner.axis) >= c.min_replay
+    return state, col_stats, ready
 
-    def updates(st):
-        def body(s, _):
-            return train_step(learner, s, env_params, fold)
 
-        st, m = jax.lax.scan(body, st, None, length=c.updates_per_iter)
-        return st, jax.tree.map(lambda x: jnp.sum(x, axis=0), m)
+def _updates(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+             fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    """M gradient updates; their metrics summed."""
+    def body(s, _):
+        return train_step(learner, s, env_params, fold)
+
+    state, m = jax.lax.scan(body, state, None, length=learner.cfg.train.updates_per_iter)
+    return state, jax.tree.map(lambda x: jnp.sum(x, axis=0), m)
+
+
+def _after_updates(learner: Learner, state: TrainState, fold: jax.Array) -> TrainState:
+    if learner.cfg.train.finite_checks:
+        state = _check_params(state, fold)  # catches params an update made non-finite
+    return state
+
+
+def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+              fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    """Collect K steps → insert → M updates (skipped until the replay holds min_replay)."""
+    c = learner.cfg.train
+    state, col_stats, ready = _collect_and_insert(learner, state, env_params, fold)
 
     def skip(st):
         return st, _zeros_like_metrics(learner, st, env_params, fold)
 
-    state, up = jax.lax.cond(ready, updates, skip, state)
-    if c.finite_checks:
-        state = _check_params(state, fold)  # catches params an update made non-finite
+    state, up = jax.lax.cond(ready, lambda st: _updates(learner, st, env_params, fold), skip,
+                             state)
+    state = _after_updates(learner, state, fold)
+    n_up = jnp.where(ready, c.updates_per_iter, 0).astype(jnp.float32)
+    return state, {"collect": col_stats, "update": up, "n_updates": n_up}
+
+
+def iteration_seeds(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
+                    fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
+    """:func:`iteration` for S seeds at once (state leaves ``[S, ...]``), each seed exactly as
+    alone.
+
+    Not ``vmap(iteration)``: vmapped, the conditional that skips the updates until the replay
+    is ready has a batched predicate and becomes a select that runs the updates *and* the
+    skip on every iteration. Here the collection and the updates are vmapped separately and
+    one unbatched ``lax.switch`` chooses: every seed ready (the common case) → the vmapped
+    updates; none → nothing; some → the vmapped updates, kept only for the ready seeds (what
+    the select computed)."""
+    c = learner.cfg.train
+    state, col_stats, ready = jax.vmap(
+        lambda st: _collect_and_insert(learner, st, env_params, fold))(state)
+    updates = jax.vmap(lambda st: _updates(learner, st, env_params, fold))
+
+    def some(st):
+        new, up = updates(st)
+        return select_seeds(ready, new, st), select_seeds(ready, up, jax.tree.map(
+            jnp.zeros_like, up))
+
+    def none(st):
+        return st, jax.vmap(lambda s: _zeros_like_metrics(learner, s, env_params, fold))(st)
+
+    branch = jnp.where(jnp.all(ready), 0, jnp.where(jnp.any(ready), 1, 2))
+    state, up = jax.lax.switch(branch, (updates, some, none), state)
+    state = jax.vmap(lambda st: _after_updates(learner, st, fold))(state)
     n_up = jnp.where(ready, c.updates_per_iter, 0).astype(jnp.float32)
     return state, {"collect": col_stats, "update": up, "n_updates": n_up}
 
@@ -348,11 +398,8 @@ def make_epoch_fn(learner: Learner):
     c = learner.cfg.train
     ax = learner.axis
 
-    def epoch_one(state: TrainState, env_params, fold):
-        def body(st, _):
-            return iteration(learner, st, env_params, fold)
-
-        state, m = jax.lax.scan(body, state, None, length=c.iters_per_epoch)
+    def summary(state: TrainState, m: dict[str, Any]) -> dict[str, Any]:
+        """One seed's epoch metrics from its per-iteration metrics (leaves ``[iters, ...]``)."""
         n_up = jnp.maximum(jnp.sum(m["n_updates"]), 1.0)
         n_col = float(c.iters_per_epoch * c.collect_steps)
         out = {
@@ -368,24 +415,30 @@ def make_epoch_fn(learner: Learner):
             out["collect"]["episodes_done"] = episodes
             out["update"] = parallel.pmean(out["update"], ax)
             out["replay_size"] = parallel.psum(out["replay_size"], ax)
-        return state, out
-
-    vmapped = jax.vmap(epoch_one, in_axes=(0, None, None))
+        return out
 
     def vm(state: TrainState, env_params, fold):
-        # One seed runs the plain epoch. Under vmap the `lax.cond` that skips the updates
-        # until the replay is ready has a batched predicate, so it becomes a select that runs
-        # both branches: on the H200 a gpu.toml iteration took 26.2 ms and 4488 kernels that
-        # way, 25.0 ms and 4123 kernels this way (bench/results/epoch_h200_one_seed.json); the
-        # epoch under train.gpu_graphs = "concurrent" 4.15 s this way, 6.49 s that way
-        # (train_h200_gpu_graphs.json, before the limit-order slots).
+        # One seed runs the plain epoch, several run `iteration_seeds`: neither vmaps the
+        # `lax.cond` that skips the updates until the replay is ready, which vmapped becomes a
+        # select running both branches. On the H200 a one-seed gpu.toml iteration took 26.2 ms
+        # and 4488 kernels vmapped, 25.0 ms and 4123 kernels unvmapped
+        # (bench/results/epoch_h200_one_seed.json); the epoch under train.gpu_graphs =
+        # "concurrent" 4.15 s unvmapped, 6.49 s vmapped (train_h200_gpu_graphs.json).
         n_state = jax.tree.leaves(state)[0].shape[0]
         if n_state != len(c.seeds):
             raise ValueError(f"the state has {n_state} seeds, train.seeds has {len(c.seeds)}")
-        if len(c.seeds) == 1:
-            new, out = epoch_one(jax.tree.map(lambda x: x[0], state), env_params, fold)
-            return jax.tree.map(lambda x: x[None], (new, out))
-        return vmapped(state, env_params, fold)
+        one = len(c.seeds) == 1
+        if one:
+            state = jax.tree.map(lambda x: x[0], state)
+        step = iteration if one else iteration_seeds
+
+        def body(st, _):
+            return step(learner, st, env_params, fold)
+
+        state, m = jax.lax.scan(body, state, None, length=c.iters_per_epoch)
+        if one:
+            return jax.tree.map(lambda x: x[None], (state, summary(state, m)))
+        return state, jax.vmap(summary, in_axes=(0, 1))(state, m)
 
     mesh = parallel.make_mesh(learner.n_devices) if ax is not None else None
 
