@@ -377,6 +377,44 @@ def test_robust_normaliser_first_batch_and_floor():
     assert float(ns.count) == 2 and float(ns.center) == pytest.approx((2e-3 + 1.002) / 2)
 
 
+@pytest.mark.parametrize("squash", [False, True])
+def test_rank_selected_quantiles_are_jnps(squash):
+    """The normaliser's quartiles select order statistics by rank instead of sorting: the same
+    element jnp's stable sort puts at each position (bit for bit: ties, −0 before or after +0
+    in input order, ±inf, NaNs sorting last or poisoning), and jnp's interpolation of them
+    (to one rounding: XLA may contract its multiply-add)."""
+    from jdqn.env.normalise import quantiles
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for n in (1, 2, 5, 100, 4097):
+        v = rng.normal(size=n).astype(np.float32)
+        ties = np.round(v * 2) / 2  # many equal values, -0.0 among them
+        zeros = v.copy()
+        zeros[::3], zeros[1::3] = 0.0, -0.0
+        infs = v.copy()
+        infs[::5], infs[2::7] = np.inf, -np.inf
+        nans = v.copy()
+        nans[::4] = np.nan
+        cases += [v, ties, zeros, infs, nans, np.full(n, np.nan, np.float32)]
+    ref = jnp.nanquantile if squash else jnp.quantile
+    for x in cases:
+        x = jnp.asarray(x)
+        # (n − 1) divisible by 4: the quartiles are order statistics themselves (weights 0, 1)
+        exact = (0.0, 0.25, 0.5, 0.75, 1.0) if (x.shape[0] - 1) % 4 == 0 else (0.0, 1.0)
+        if not squash or not np.isnan(np.asarray(x)).any():
+            want = np.asarray(ref(x, jnp.asarray(exact)))
+            got = np.asarray(jnp.stack(jax.jit(lambda v, q=exact: quantiles(v, q, squash))(x)))
+            if not np.isinf(np.asarray(x)).any():  # inf · 0 is NaN in both; compare the rest
+                assert np.array_equal(want.view(np.int32), got.view(np.int32)), (x, want, got)
+        want = np.asarray(ref(x, jnp.asarray([0.25, 0.5, 0.75])))
+        got = np.asarray(jnp.stack(jax.jit(lambda v: quantiles(v, (0.25, 0.5, 0.75),
+                                                               squash))(x)))
+        np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+    with pytest.raises(ValueError, match="1-D float32"):
+        quantiles(jnp.zeros((2, 2)), (0.5,))
+
+
 def test_popart_and_none_modes():
     ns = E.init_norm_state(EnvConfig(reward_norm="popart"))
     _, rn = E.normalise_reward(ns, jnp.array([1.0, 3.0]))
