@@ -408,8 +408,8 @@ def _reference_head(p, h, obs, flow):
         return dueling_logits(value, adv)
 
     direction = branch(h, 0)
-    q_dir = jnp.sum(jax.nn.softmax(direction, -1) * support, -1) / max(
-        abs(SMALL.v_min), abs(SMALL.v_max))
+    q_dir = jax.lax.stop_gradient(jnp.sum(jax.nn.softmax(direction, -1) * support, -1)) / max(
+        abs(SMALL.v_min), abs(SMALL.v_max))  # the conditioning carries no gradient (SPEC §4)
     h_flow = jnp.concatenate([h, obs[:, np.asarray(flow)]], -1) if flow else h
     return (direction, branch(jnp.concatenate([h, q_dir], -1), 1), branch(h_flow, 2),
             branch(h_flow, 3))
@@ -432,6 +432,58 @@ def test_fused_head_equals_five_separate_dense_streams(flow):
         want = _reference_head(params["params"], h, obs, flow)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+        # and the same gradients (the centring on the weights is a projection of theirs)
+        cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64)
+               for i, g in enumerate(got)]
+
+        def loss(out):
+            return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
+
+        g_head = jax.grad(lambda p: loss(head.apply(p, h, obs)))(params)
+        g_ref = jax.grad(lambda p: loss(_reference_head(p["params"], h, obs, flow)))(params)
+        for g, w in zip(jax.tree.leaves(g_head), jax.tree.leaves(g_ref), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_iqn_head_equals_the_textbook_dueling_quantiles():
+    """The IQN head centres its advantage columns in the output layer's weights; values and
+    gradients equal the textbook ``value + A − mean_a A`` on the uncentred dense stack."""
+    from jdqn.networks.heads import IQNHead, iqn_features
+
+    sizes = SMALL.branch_sizes
+    head = IQNHead(sizes, SMALL.iqn_embed, SMALL.head_hidden)
+    k = jax.random.split(jax.random.key(5), 3)
+    with x64():
+        h = jax.random.normal(k[0], (7, SMALL.width), jnp.float64)
+        taus = jax.random.uniform(k[1], (7, 5), jnp.float64)
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, taus))
+        params = jax.tree.map(lambda x: x + 0.1 * jnp.arange(x.size).reshape(x.shape) % 0.7,
+                              params)  # non-zero biases
+
+        def reference(p):
+            p = p["params"]
+            out = iqn_features(h, taus, *(p[n][w] for n in ("tau_embed", "fc", "out")
+                                          for w in ("kernel", "bias")), "float32")
+            value, adv, res, start = out[..., :1], out[..., 1:], [], 0
+            for a in sizes:
+                adv_d = adv[..., start:start + a]
+                start += a
+                res.append(jnp.swapaxes(value + adv_d - adv_d.mean(-1, keepdims=True), 1, 2))
+            return tuple(res)
+
+        got, want = head.apply(params, h, taus), reference(params)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+        cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64)
+               for i, g in enumerate(got)]
+
+        def loss(out):
+            return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
+
+        g_head = jax.grad(lambda p: loss(head.apply(p, h, taus)))(params)
+        g_ref = jax.grad(lambda p: loss(reference(p)))(params)
+        for g, w in zip(jax.tree.leaves(g_head), jax.tree.leaves(g_ref), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
 def test_fused_head_in_bf16_tracks_the_float32_reference():

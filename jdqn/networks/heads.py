@@ -54,6 +54,23 @@ def dueling_logits(value: Array, advantage: Array) -> Array:
     return value[:, None, :] + advantage - jnp.mean(advantage, axis=1, keepdims=True)
 
 
+def centre_actions(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, Array]:
+    """An advantage stream's output layer ``kernel [n_in, A·Z]``, ``bias [A·Z]`` (columns
+    action-major) with the mean over its A actions subtracted.
+
+    The layer is linear, so ``x·K_c + b_c = (x·K + b) − mean_a (x·K + b)``: the dueling
+    centring ``A − mean_a A`` (:func:`dueling_logits`) done on the parameters (a few KB) instead
+    of on the ``[B, A, Z]`` activations, where the mean over the middle axis cost XLA transposes
+    and a reduction in the forward pass and a broadcast-sum in the backward pass. The same
+    function; the gradient reaching ``kernel`` is centred the same way (the map is a
+    projection)."""
+    n_in = kernel.shape[0]
+    k = kernel.reshape(n_in, n_actions, -1)
+    c = bias.reshape(n_actions, -1)
+    return ((k - jnp.mean(k, axis=1, keepdims=True)).reshape(n_in, -1),
+            (c - jnp.mean(c, axis=0, keepdims=True)).reshape(-1))
+
+
 def expected_q(logits: Array, support: Array) -> Array:
     """``E[Q] = Σ_z softmax(logits)_z · z``. logits: [..., Z]; support: [Z] → [...]."""
     return jnp.sum(jax.nn.softmax(logits, axis=-1) * support, axis=-1)
@@ -98,7 +115,10 @@ class DuelingBranchingHead(nn.Module):
     the same trunk feature ``h``, so they run as **one** ``[H, 5·hidden]`` matmul (and one in
     each direction of the backward pass, instead of five plus a five-way sum of cotangents);
     the conditioning rows are added on top as small products, so ``[h, q_dir]`` and
-    ``[h, flow]`` are never concatenated. Mathematically this is the same network.
+    ``[h, flow]`` are never concatenated; the dueling centring ``A − mean_a A`` is applied to
+    the advantage streams' output weights (:func:`centre_actions`), not to the ``[B, A_d, Z]``
+    advantages. Mathematically this is the same network (tested against the textbook form,
+    values and gradients).
     """
 
     branch_sizes: tuple[int, ...]
@@ -130,12 +150,16 @@ class DuelingBranchingHead(nn.Module):
         pre = add_bias(matmul(h, w1, md, act), b1)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
-        def second(s: str, x: Array) -> Array:  # output layer: accumulates and returns `wide`
-            return add_bias(matmul(nn.relu(x), out[s][0], md, wide), out[s][1])
+        def second(s: str, x: Array, a: int = 0) -> Array:  # accumulates and returns `wide`
+            w, bias = out[s]
+            if a:  # an advantage stream: centred over its A_d actions (the dueling form)
+                w, bias = centre_actions(w, bias, a)
+            return add_bias(matmul(nn.relu(x), w, md, wide), bias)
 
         def logits(d: int, x: Array) -> Array:
-            adv = second(BRANCH_NAMES[d], x).reshape(b, self.branch_sizes[d], z)
-            return dueling_logits(value, adv)
+            a = self.branch_sizes[d]
+            adv = second(BRANCH_NAMES[d], x, a).reshape(b, a, z)  # centred: Σ_a adv = 0
+            return value[:, None, :] + adv  # = dueling_logits(value, uncentred advantage)
 
         value = second("value", pre["value"])  # [B, Z]
         direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
@@ -180,7 +204,9 @@ class IQNHead(nn.Module):
     """Implicit quantile head: ``φ(τ) = ReLU(Dense_H(cos(π i τ)))``, feature ``h ⊙ φ(τ)``,
     then a dueling per-branch output ``Dense(hidden) → ReLU → Dense(1 + Σ A_d)``.
 
-    (h [B, H], taus [B, Q]) → tuple of quantile values ``[B, A_d, Q]``. The IQN branches read
+    (h [B, H], taus [B, Q]) → tuple of quantile values ``[B, A_d, Q]``: ``value + A_d −
+    mean_a A_d``, the centring done on the output layer's columns (:func:`centre_actions`). The
+    IQN branches read
     the trunk feature only (no direction/flow conditioning): the head is an auxiliary
     distributional loss that shapes the shared trunk.
 
@@ -201,6 +227,14 @@ class IQNHead(nn.Module):
         we, be = DenseParams(self.n_basis, h.shape[-1], name="tau_embed")()
         w1, b1 = DenseParams(h.shape[-1], self.hidden, name="fc")()
         w2, b2 = DenseParams(self.hidden, 1 + sum(self.branch_sizes), name="out")()
+        # the dueling centring per branch, on the output columns (see centre_actions)
+        cols, bias, start = [w2[:, :1]], [b2[:1]], 1
+        for a in self.branch_sizes:
+            wc, bc = centre_actions(w2[:, start:start + a], b2[start:start + a], a)
+            cols.append(wc)
+            bias.append(bc)
+            start += a
+        w2, b2 = jnp.concatenate(cols, axis=1), jnp.concatenate(bias)
         if self.fused:
             from jdqn.pallas.iqn import iqn_features_pallas
 
@@ -213,6 +247,6 @@ class IQNHead(nn.Module):
         for a in self.branch_sizes:
             adv_d = adv[..., start:start + a]  # [B, Q, A_d]
             start += a
-            q_d = value + adv_d - jnp.mean(adv_d, axis=-1, keepdims=True)
+            q_d = value + adv_d  # centred in w2, b2: value + A − mean_a A
             result.append(jnp.swapaxes(q_d, 1, 2))  # [B, A_d, Q]
         return tuple(result)
