@@ -9,24 +9,32 @@ On the GPU, XLA records runs of kernels as CUDA graphs ("command buffers"). XLA'
 * ``xla_gpu_enable_command_buffer`` = XLA's default command types plus ``WHILE`` and
   ``CONDITIONAL``: whole loops are captured as graphs too.
 
-``gpu_graphs = "auto"`` (the default) takes "concurrent" for a program that trains one seed on
-one device and "xla" otherwise, from what the H200 measured (``bench/results/
-train_h200_gpu_graphs.json`` and ``epoch_h200_one_seed.json``; float32 unless said):
+``gpu_graphs = "auto"`` (the default) takes "concurrent" for every program shape the H200 measured
+faster that way, and "xla" for the one it did not measure (several seeds data-parallel)
+(``bench/results/train_h200_gpu_graphs.json``, ``epoch_h200_one_seed.json`` and
+``epoch_h200_seeds_switch.json``; float32 unless said):
 
 * one seed (``configs/gpu.toml``): the update at B = 16384 takes 3.72 ms against 4.16 (bf16 2.36
   against 2.79), B = 256 0.63 against 0.86 ms; the epoch (800 updates + 13.1 M env steps)
-  takes **4.15 s against 5.00 s**; peak memory grows from 2.06 to 2.67 GB. The update has much
+  took **4.15 s against 5.00 s**; peak memory grows from 2.06 to 2.67 GB. The update has much
   independent work (three network forwards, each layer's weight and input gradients, the
   optimiser's per-leaf updates) in kernels too small to fill the GPU;
-* two seeds (vmapped): the epoch takes 10.17 s against 8.44 s, so "auto" stays with XLA's graphs.
-  (Before the one-seed epoch stopped being vmapped, one seed measured like this too: 6.49
-  against 5.22 s; why the vmapped program loses is not known);
-* data parallel: not measured with "concurrent", so "auto" stays with XLA's graphs.
+* two seeds on one GPU: **7.45 s against 8.26 s** per epoch (peak 4.34 against 3.64 GB), since
+  the seeds' epoch keeps its update conditional a conditional (:func:`jdqn.train.epoch.
+  iteration_seeds`). The vmapped program before it, whose conditional was a select running
+  both branches, lost under concurrent graphs: 10.17 against 8.44 s (and one seed, while it
+  was vmapped too, 6.49 against 5.22 s);
+* one seed data-parallel on two H200s (``configs/multi_gpu.toml``): **4.96 s against 5.17 s**
+  per epoch (peak 2.49 against 1.99 GB per device);
+* several seeds data-parallel: not measured, so "auto" stays with XLA's graphs.
 
 Each kernel computes what it computed before, only the order of independent kernels changes:
 the final state after two 20-iteration one-seed epochs at ``gpu.toml`` sizes is bitwise
-identical under both settings (several seeds and data parallel were not compared). The
-concurrent graphs hold more buffers live: +0.6 GB peak device memory on ``gpu.toml``. The options are per program
+identical under both settings (data parallel was not compared). The concurrent graphs hold more
+buffers live: +0.6–0.7 GB peak device memory on ``gpu.toml``. A CUDA graph needs driver memory
+when it is instantiated: with two JAX processes on one GPU (each preallocating 75 % of it) an
+instantiation failed with ``RESOURCE_EXHAUSTED … instantiate command buffer``; give each
+process less (``XLA_CLIENT_MEM_FRACTION``) or use ``"xla"``. The options are per program
 (``jax.jit(compiler_options=…)``), not process-wide, and a key the user sets in ``XLA_FLAGS``
 wins over ours. On the CPU there are no command buffers and no options are passed.
 """
@@ -53,14 +61,15 @@ SETTINGS = ("auto", "concurrent", "xla")
 
 
 def resolve(gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1) -> str:
-    """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` for one seed on one
-    device and ``"xla"`` otherwise (see the module's measurements); the others are themselves."""
+    """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` unless the program
+    trains several seeds on several devices (not measured; ``"xla"`` then; see the module's
+    measurements); the others are themselves."""
     if gpu_graphs not in SETTINGS:
         raise ValueError(f"train.gpu_graphs must be one of {', '.join(map(repr, SETTINGS))}, "
                          f"got {gpu_graphs!r}")
     if gpu_graphs != "auto":
         return gpu_graphs
-    return "concurrent" if n_seeds == 1 and n_devices == 1 else "xla"
+    return "xla" if n_seeds > 1 and n_devices > 1 else "concurrent"
 
 
 def compiler_options(gpu_graphs: str, backend: str | None = None,
