@@ -428,21 +428,26 @@ def test_fused_head_equals_five_separate_dense_streams(flow):
         h = jax.random.normal(k[0], (9, SMALL.width), jnp.float64)
         obs = jax.random.normal(k[1], (9, 12), jnp.float64)
         params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, obs))
-        got = head.apply(params, h, obs)
-        want = _reference_head(params["params"], h, obs, flow)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
-        # and the same gradients (the centring on the weights is a projection of theirs)
-        cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64)
-               for i, g in enumerate(got)]
+        # same values and gradients (the centring on the weights is a projection of theirs)
+        _assert_same_values_and_grads(lambda p: head.apply(p, h, obs),
+                                      lambda p: _reference_head(p["params"], h, obs, flow),
+                                      params)
 
-        def loss(out):
-            return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
 
-        g_head = jax.grad(lambda p: loss(head.apply(p, h, obs)))(params)
-        g_ref = jax.grad(lambda p: loss(_reference_head(p["params"], h, obs, flow)))(params)
-        for g, w in zip(jax.tree.leaves(g_head), jax.tree.leaves(g_ref), strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+def _assert_same_values_and_grads(fn, ref, params):
+    """``fn(params)`` and ``ref(params)`` (tuples of float64 arrays) agree, and so do the
+    gradients of a random linear functional of them w.r.t. every parameter."""
+    got, want = fn(params), ref(params)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64) for i, g in enumerate(got)]
+
+    def loss(out):
+        return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
+
+    g_fn, g_ref = jax.grad(lambda p: loss(fn(p)))(params), jax.grad(lambda p: loss(ref(p)))(params)
+    for g, w in zip(jax.tree.leaves(g_fn), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
 def test_iqn_head_equals_the_textbook_dueling_quantiles():
@@ -471,19 +476,7 @@ def test_iqn_head_equals_the_textbook_dueling_quantiles():
                 res.append(jnp.swapaxes(value + adv_d - adv_d.mean(-1, keepdims=True), 1, 2))
             return tuple(res)
 
-        got, want = head.apply(params, h, taus), reference(params)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
-        cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64)
-               for i, g in enumerate(got)]
-
-        def loss(out):
-            return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
-
-        g_head = jax.grad(lambda p: loss(head.apply(p, h, taus)))(params)
-        g_ref = jax.grad(lambda p: loss(reference(p)))(params)
-        for g, w in zip(jax.tree.leaves(g_head), jax.tree.leaves(g_ref), strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+        _assert_same_values_and_grads(lambda p: head.apply(p, h, taus), reference, params)
 
 
 def test_fused_head_in_bf16_tracks_the_float32_reference():
