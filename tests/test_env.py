@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import x64
 
 from jdqn import env as E
 from jdqn.config import EnvConfig, SizingConfig
@@ -379,11 +380,11 @@ def test_robust_normaliser_first_batch_and_floor():
 
 @pytest.mark.parametrize("squash", [False, True])
 def test_rank_selected_quantiles_are_jnps(squash):
-    """The normaliser's quartiles select order statistics by rank instead of sorting: the same
-    element jnp's stable sort puts at each position (bit for bit: ties, −0 before or after +0
-    in input order, ±inf, NaNs sorting last or poisoning), and jnp's interpolation of them
-    (to one rounding: XLA may contract its multiply-add)."""
-    from jdqn.env.normalise import quantiles
+    """Off the CPU the normaliser's quartiles select order statistics by rank instead of
+    sorting: the same element jnp's stable sort puts at each position, bit for bit (ties, −0
+    before or after +0 in input order, ±inf, NaNs sorting last or poisoning), and jnp's
+    interpolation of them (to one rounding: XLA may contract its multiply-add)."""
+    from jdqn.env.normalise import quantiles_by_rank
 
     rng = np.random.default_rng(0)
     cases = []
@@ -398,21 +399,40 @@ def test_rank_selected_quantiles_are_jnps(squash):
         nans[::4] = np.nan
         cases += [v, ties, zeros, infs, nans, np.full(n, np.nan, np.float32)]
     ref = jnp.nanquantile if squash else jnp.quantile
+    by_rank = jax.jit(quantiles_by_rank, static_argnums=(1, 2))
     for x in cases:
-        x = jnp.asarray(x)
-        # (n − 1) divisible by 4: the quartiles are order statistics themselves (weights 0, 1)
-        exact = (0.0, 0.25, 0.5, 0.75, 1.0) if (x.shape[0] - 1) % 4 == 0 else (0.0, 1.0)
-        if not squash or not np.isnan(np.asarray(x)).any():
-            want = np.asarray(ref(x, jnp.asarray(exact)))
-            got = np.asarray(jnp.stack(jax.jit(lambda v, q=exact: quantiles(v, q, squash))(x)))
-            if not np.isinf(np.asarray(x)).any():  # inf · 0 is NaN in both; compare the rest
-                assert np.array_equal(want.view(np.int32), got.view(np.int32)), (x, want, got)
-        want = np.asarray(ref(x, jnp.asarray([0.25, 0.5, 0.75])))
-        got = np.asarray(jnp.stack(jax.jit(lambda v: quantiles(v, (0.25, 0.5, 0.75),
-                                                               squash))(x)))
+        counted = int(np.sum(~np.isnan(x))) if squash else x.shape[0]
+        # positions that are whole numbers: the result is an order statistic itself (weights
+        # 0 and 1), bit for bit; (an inf · 0 weight is NaN in both)
+        exact = (0.0, 0.25, 0.5, 0.75, 1.0) if (counted - 1) % 4 == 0 else (0.0, 1.0)
+        want = np.asarray(ref(jnp.asarray(x), jnp.asarray(exact)))
+        got = np.asarray(jnp.stack(by_rank(jnp.asarray(x), exact, squash)))
+        assert np.array_equal(want.view(np.int32), got.view(np.int32)), (x, exact, want, got)
+        want = np.asarray(ref(jnp.asarray(x), jnp.asarray([0.25, 0.5, 0.75])))
+        got = np.asarray(jnp.stack(by_rank(jnp.asarray(x), (0.25, 0.5, 0.75), squash)))
         np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
     with pytest.raises(ValueError, match="1-D float32"):
-        quantiles(jnp.zeros((2, 2)), (0.5,))
+        quantiles_by_rank(jnp.zeros((2, 2)), (0.5,))
+
+
+def test_quartiles_sort_on_the_cpu_and_select_by_rank_elsewhere():
+    """The rank selection's ``[n, n]`` count is slower than a sort on the CPU (and
+    materialised there), so the CPU program sorts and a GPU program does not: checked on the
+    programs lowered for each platform (no GPU needed). Under x64 the result keeps its shape."""
+    from jdqn.env.normalise import quantiles, quantiles_by_rank
+
+    spec = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    for squash in (False, True):
+        f = jax.jit(lambda v, s=squash: quantiles(v, (0.25, 0.5, 0.75), s))
+        for platform, sorts in (("cpu", True), ("cuda", False)):
+            text = jax.export.export(f, platforms=[platform])(spec).mlir_module()
+            assert ("stablehlo.sort" in text) is sorts, (platform, squash)
+    x = jnp.arange(9.0, dtype=jnp.float32)
+    np.testing.assert_array_equal(jnp.stack(quantiles(x, (0.25, 0.5))), [2.0, 4.0])
+    with x64():
+        got = quantiles_by_rank(jnp.arange(9.0, dtype=jnp.float32), (0.25, 0.5))
+        assert [g.shape for g in got] == [(), ()]
+        np.testing.assert_array_equal(jnp.stack(got), [2.0, 4.0])
 
 
 def test_popart_and_none_modes():

@@ -32,7 +32,7 @@ from flax import struct
 
 from jdqn.config import EnvConfig
 
-MAX_QUANTILE_SAMPLES = 4096
+MAX_QUANTILE_SAMPLES = 4096  # the stride is n // this: at most 2·4096 − 1 samples are taken
 _QUARTILES = (0.25, 0.5, 0.75)
 
 
@@ -46,15 +46,35 @@ def _sort_keys(x: jax.Array) -> jax.Array:
 def quantiles(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = False
               ) -> tuple[jax.Array, ...]:
     """``jnp.quantile(x, qs)`` (``squash_nans=True``: ``jnp.nanquantile``), linear method, for a
-    1-D float32 ``x`` — bit for bit, without a sort.
+    1-D float32 ``x``: on the CPU jnp's own (a sort), elsewhere :func:`quantiles_by_rank`.
 
-    The reward normaliser takes the quartiles of up to 8191 rewards on every collection step;
-    as a sort that was one ~34 µs kernel of a ~300 µs step of 4096 envs on the H200
-    (bench/results/epoch_h200_one_seed.json). Here each order statistic is selected by rank:
-    element i sits at position ``#{j: x_j < x_i} + #{j < i: x_j = x_i}`` of jnp's stable sort
-    (one fused ``[n, n]`` comparison count, no data movement). The positions and the
-    interpolation are jnp's own arithmetic, so the result is identical (tested against jnp on
-    ties, ±0, ±inf and NaNs)."""
+    The reward normaliser takes the quartiles of up to 8191 rewards on every collection step.
+    On the H200 the sort was most likely the ~34 µs sort kernel of a ~300 µs step of 4096
+    envs (bench/results/epoch_h200_one_seed.json), and the rank selection took the
+    ``gpu.toml`` epoch from 4.18 to 4.07 s (epoch_h200_seeds_switch.json). On the CPU the
+    ``[n, n]`` comparison count is 60× slower than the sort at n = 4096 and materialised,
+    so the CPU keeps the sort. Both pick the same elements; the interpolation may differ by a
+    rounding (:func:`quantiles_by_rank`)."""
+    if x.ndim != 1 or x.dtype != jnp.float32:
+        raise ValueError(f"quantiles: expected a 1-D float32 array, got {x.dtype}{x.shape}")
+
+    def by_sort(v):
+        f = jnp.nanquantile if squash_nans else jnp.quantile
+        return tuple(f(v, jnp.asarray(qs, jnp.float32)))
+
+    return jax.lax.platform_dependent(x, cpu=by_sort,
+                                      default=lambda v: quantiles_by_rank(v, qs, squash_nans))
+
+
+def quantiles_by_rank(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = False
+                      ) -> tuple[jax.Array, ...]:
+    """:func:`quantiles` without a sort: each order statistic is selected by rank. Element i
+    sits at position ``#{j: x_j < x_i} + #{j < i: x_j = x_i}`` of jnp's stable sort (one
+    ``[n, n]`` comparison count, no data movement), so the selected values are jnp's bit for
+    bit (ties, ±0 in input order, ±inf, NaNs sorting last or poisoning every quantile). The
+    positions and the interpolation are jnp's arithmetic; XLA may contract the interpolation's
+    multiply-add differently, so a result may differ from jnp's by one rounding. Tested
+    against jnp on the CPU."""
     if x.ndim != 1 or x.dtype != jnp.float32:
         raise ValueError(f"quantiles: expected a 1-D float32 array, got {x.dtype}{x.shape}")
     n = x.shape[0]
@@ -72,7 +92,8 @@ def quantiles(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = False
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
 
     def order_statistic(k: jax.Array) -> jax.Array:  # sorted(x)[k], k int32 []
-        picked = jnp.sum(jnp.where(position == k, bits, 0))  # exactly one term, bits intact
+        # exactly one term, bits intact (int32 even under x64, or the bitcast changes shape)
+        picked = jnp.sum(jnp.where(position == k, bits, 0), dtype=jnp.int32)
         return jax.lax.bitcast_convert_type(picked, jnp.float32)
 
     q = jnp.asarray(qs, jnp.float32) * (counts - 1.0)
