@@ -276,9 +276,11 @@ class TrainConfig:
     q_drift_floor: float = fld(10.0, ge=0)
     # GPU only: "concurrent" compiles the epoch so that its CUDA graphs run independent kernels
     # side by side and capture whole loops (jdqn/train/xla_options.py); "xla" = XLA's default
-    # graphs; "auto" = concurrent for one seed on one device (on the H200 the gpu.toml epoch
-    # 4.15 s vs 5.00 s, +0.6 GB peak memory), xla otherwise (two seeds: 10.2 s vs 8.4 s).
-    # Same kernels, other order: bitwise the same state (checked for one seed). Ignored on CPU.
+    # graphs; "auto" = concurrent (on the H200 the gpu.toml epoch 4.15 s vs 5.00 s, two seeds
+    # 7.45 vs 8.26 s, one seed data-parallel 4.96 vs 5.17 s; +0.45-0.7 GB peak memory) except
+    # for several seeds data-parallel and multi-host runs, not measured: xla there. Same
+    # kernels, other order: bitwise the same state (checked for one and two seeds). Ignored on
+    # CPU.
     gpu_graphs: Literal["auto", "concurrent", "xla"] = "auto"
 
 

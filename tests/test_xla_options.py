@@ -31,16 +31,20 @@ def test_options_only_on_the_gpu_and_only_with_concurrent():
         xla_options.compiler_options("auto", backend="gpu", xla_flags="")
 
 
-def test_auto_is_concurrent_except_for_several_seeds_on_several_devices():
+def test_auto_is_concurrent_except_several_seeds_data_parallel_and_multi_host():
     """The default, from the H200's measurements: concurrent graphs made the gpu.toml epoch
     faster with one seed (4.15 vs 5.00 s) and two (7.45 vs 8.26 s), and the one-seed
-    data-parallel multi_gpu.toml epoch (4.96 vs 5.17 s); several seeds data-parallel were not
-    measured and keep XLA's graphs."""
+    data-parallel multi_gpu.toml epoch (4.96 vs 5.17 s); several seeds data-parallel and
+    multi-host runs were not measured with them and keep XLA's graphs."""
     assert Config().train.gpu_graphs == "auto"
     assert xla_options.resolve("auto", n_seeds=1, n_devices=1) == "concurrent"
     assert xla_options.resolve("auto", n_seeds=2, n_devices=1) == "concurrent"
     assert xla_options.resolve("auto", n_seeds=1, n_devices=2) == "concurrent"
     assert xla_options.resolve("auto", n_seeds=2, n_devices=2) == "xla"
+    # multi-host (several processes) was measured with XLA's graphs only
+    assert xla_options.resolve("auto", n_seeds=1, n_devices=2, n_processes=2) == "xla"
+    assert xla_options.resolve("auto", n_seeds=1, n_devices=2, n_processes=1) == "concurrent"
+    assert xla_options.resolve("concurrent", n_processes=2) == "concurrent"
     for fixed in ("concurrent", "xla"):
         assert xla_options.resolve(fixed, n_seeds=3, n_devices=2) == fixed
     with pytest.raises(ValueError, match="train.gpu_graphs must be one of"):

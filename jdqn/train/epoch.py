@@ -333,30 +333,29 @@ def iteration(learner: Learner, state: TrainState, env_params: env_core.EnvParam
 
 def iteration_seeds(learner: Learner, state: TrainState, env_params: env_core.EnvParams,
                     fold: jax.Array) -> tuple[TrainState, dict[str, Any]]:
-    """:func:`iteration` for S seeds at once (state leaves ``[S, ...]``), each seed exactly as
-    alone.
+    """:func:`iteration` for S seeds at once (state leaves ``[S, ...]``): each seed's result is
+    what ``vmap(iteration)`` computes for it.
 
-    Not ``vmap(iteration)``: vmapped, the conditional that skips the updates until the replay
-    is ready has a batched predicate and becomes a select that runs the updates *and* the
-    skip on every iteration. Here the collection and the updates are vmapped separately and
-    one unbatched ``lax.switch`` chooses: every seed ready (the common case) → the vmapped
-    updates; none → nothing; some → the vmapped updates, kept only for the ready seeds (what
-    the select computed)."""
+    Not ``vmap(iteration)`` itself: vmapped, the conditional that skips the updates until the
+    replay is ready has a batched predicate and becomes a select that runs the updates *and*
+    the skip on every iteration. Here the collection and the updates are vmapped separately
+    and one unbatched ``lax.cond`` on "any seed ready" runs the vmapped updates, kept only for
+    the ready seeds (what the select computed; with every seed ready, the common case, the
+    selection is the identity on the leaves the updates change and nothing elsewhere), or
+    skips them. The updates are compiled once."""
     c = learner.cfg.train
     state, col_stats, ready = jax.vmap(
         lambda st: _collect_and_insert(learner, st, env_params, fold))(state)
-    updates = jax.vmap(lambda st: _updates(learner, st, env_params, fold))
 
-    def some(st):
-        new, up = updates(st)
+    def run(st):
+        new, up = jax.vmap(lambda s: _updates(learner, s, env_params, fold))(st)
         return select_seeds(ready, new, st), select_seeds(ready, up, jax.tree.map(
             jnp.zeros_like, up))
 
-    def none(st):
+    def skip(st):
         return st, jax.vmap(lambda s: _zeros_like_metrics(learner, s, env_params, fold))(st)
 
-    branch = jnp.where(jnp.all(ready), 0, jnp.where(jnp.any(ready), 1, 2))
-    state, up = jax.lax.switch(branch, (updates, some, none), state)
+    state, up = jax.lax.cond(jnp.any(ready), run, skip, state)
     state = jax.vmap(lambda st: _after_updates(learner, st, fold))(state)
     n_up = jnp.where(ready, c.updates_per_iter, 0).astype(jnp.float32)
     return state, {"collect": col_stats, "update": up, "n_updates": n_up}

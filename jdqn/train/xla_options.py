@@ -10,7 +10,8 @@ On the GPU, XLA records runs of kernels as CUDA graphs ("command buffers"). XLA'
   ``CONDITIONAL``: whole loops are captured as graphs too.
 
 ``gpu_graphs = "auto"`` (the default) takes "concurrent" for every program shape the H200 measured
-faster that way, and "xla" for the one it did not measure (several seeds data-parallel)
+faster that way, and "xla" for those it did not measure (several seeds data-parallel, and any
+multi-host run: the multi-host figures and bitwise checks are XLA's serial graphs)
 (``bench/results/train_h200_gpu_graphs.json``, ``epoch_h200_one_seed.json`` and
 ``epoch_h200_seeds_switch.json``; float32 unless said):
 
@@ -21,17 +22,19 @@ faster that way, and "xla" for the one it did not measure (several seeds data-pa
   optimiser's per-leaf updates) in kernels too small to fill the GPU;
 * two seeds on one GPU: **7.45 s against 8.26 s** per epoch (peak 4.34 against 3.64 GB), since
   the seeds' epoch keeps its update conditional a conditional (:func:`jdqn.train.epoch.
-  iteration_seeds`). The vmapped program before it, whose conditional was a select running
+  iteration_seeds`; measured with a three-way switch, the final one-conditional form took
+  7.54 s concurrent, peak 4.19 GB, in another machine session). The vmapped program before it, whose conditional was a select running
   both branches, lost under concurrent graphs: 10.17 against 8.44 s (and one seed, while it
   was vmapped too, 6.49 against 5.22 s);
 * one seed data-parallel on two H200s (``configs/multi_gpu.toml``): **4.96 s against 5.17 s**
   per epoch (peak 2.49 against 1.99 GB per device);
-* several seeds data-parallel: not measured, so "auto" stays with XLA's graphs.
+* several seeds data-parallel, and multi-host runs: not measured, so "auto" stays with XLA's
+  graphs.
 
 Each kernel computes what it computed before, only the order of independent kernels changes:
 the final state after two 20-iteration one-seed epochs at ``gpu.toml`` sizes is bitwise
 identical under both settings (data parallel was not compared). The concurrent graphs hold more
-buffers live: +0.6–0.7 GB peak device memory on ``gpu.toml``. A CUDA graph needs driver memory
+buffers live: +0.45–0.7 GB peak device memory at ``gpu.toml`` sizes. A CUDA graph needs driver memory
 when it is instantiated: with two JAX processes on one GPU (each preallocating 75 % of it) an
 instantiation failed with ``RESOURCE_EXHAUSTED … instantiate command buffer``; give each
 process less (``XLA_CLIENT_MEM_FRACTION``) or use ``"xla"``. The options are per program
@@ -60,16 +63,21 @@ CONCURRENT_GRAPHS: dict[str, str] = {
 SETTINGS = ("auto", "concurrent", "xla")
 
 
-def resolve(gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1) -> str:
+def resolve(gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1,
+            n_processes: int | None = None) -> str:
     """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` unless the program
-    trains several seeds on several devices (not measured; ``"xla"`` then; see the module's
-    measurements); the others are themselves."""
+    trains several seeds on several devices or runs in several processes (multi-host; neither
+    measured with concurrent graphs: ``"xla"`` then; see the module's measurements); the others
+    are themselves. ``n_processes`` defaults to ``jax.process_count()``."""
     if gpu_graphs not in SETTINGS:
         raise ValueError(f"train.gpu_graphs must be one of {', '.join(map(repr, SETTINGS))}, "
                          f"got {gpu_graphs!r}")
     if gpu_graphs != "auto":
         return gpu_graphs
-    return "xla" if n_seeds > 1 and n_devices > 1 else "concurrent"
+    n_processes = jax.process_count() if n_processes is None else n_processes
+    if n_processes > 1 or (n_seeds > 1 and n_devices > 1):
+        return "xla"
+    return "concurrent"
 
 
 def compiler_options(gpu_graphs: str, backend: str | None = None,
