@@ -7,7 +7,7 @@ Modes (``EnvConfig.reward_norm``):
 
 * ``"robust"``: ``r_n = (r − m) / max(iqr, reward_iqr_floor)`` with ``m``, ``iqr`` running
   estimates of the median and inter-quartile range. Each call takes the exact quartiles of the
-  batch (at most 8191 evenly strided samples, so the selection stays cheap at large N) and moves the
+  batch (at most 8191 evenly strided samples, so it stays cheap at large N) and moves the
   running values towards them with weight ``w = max(1 − decay, 1 / (count + 1))`` — the plain
   average of the batches seen so far until ``1 / (count + 1)`` drops below ``1 − decay``, then an
   EMA. No zero-initialisation bias.

@@ -340,9 +340,10 @@ def iteration_seeds(learner: Learner, state: TrainState, env_params: env_core.En
     replay is ready has a batched predicate and becomes a select that runs the updates *and*
     the skip on every iteration. Here the collection and the updates are vmapped separately
     and one unbatched ``lax.cond`` on "any seed ready" runs the vmapped updates, kept only for
-    the ready seeds (what the select computed; with every seed ready, the common case, the
-    selection is the identity on the leaves the updates change and nothing elsewhere), or
-    skips them. The updates are compiled once."""
+    the ready seeds (what the select computed), or skips them. The updates are compiled once.
+    With every seed ready (the common case) the selection keeps everything: on the H200 the
+    two-seed gpu.toml epoch took 7.54 s this way and 7.45 s with a separate all-ready branch
+    that skipped it but compiled the updates twice (another machine session)."""
     c = learner.cfg.train
     state, col_stats, ready = jax.vmap(
         lambda st: _collect_and_insert(learner, st, env_params, fold))(state)
