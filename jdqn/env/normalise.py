@@ -43,6 +43,11 @@ def _sort_keys(x: jax.Array) -> jax.Array:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def _check_samples(x: jax.Array) -> None:
+    if x.ndim != 1 or x.dtype != jnp.float32:
+        raise ValueError(f"quantiles: expected a 1-D float32 array, got {x.dtype}{x.shape}")
+
+
 def quantiles(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = False
               ) -> tuple[jax.Array, ...]:
     """``jnp.quantile(x, qs)`` (``squash_nans=True``: ``jnp.nanquantile``), linear method, for a
@@ -55,8 +60,7 @@ def quantiles(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = False
     ``[n, n]`` comparison count is 60× slower than the sort at n = 4096 and materialised,
     so the CPU keeps the sort. Both pick the same elements; the interpolation may differ by a
     rounding (:func:`quantiles_by_rank`)."""
-    if x.ndim != 1 or x.dtype != jnp.float32:
-        raise ValueError(f"quantiles: expected a 1-D float32 array, got {x.dtype}{x.shape}")
+    _check_samples(x)
 
     def by_sort(v):
         f = jnp.nanquantile if squash_nans else jnp.quantile
@@ -75,8 +79,7 @@ def quantiles_by_rank(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = F
     positions and the interpolation are jnp's arithmetic; XLA may contract the interpolation's
     multiply-add differently, so a result may differ from jnp's by one rounding. Tested
     against jnp on the CPU."""
-    if x.ndim != 1 or x.dtype != jnp.float32:
-        raise ValueError(f"quantiles: expected a 1-D float32 array, got {x.dtype}{x.shape}")
+    _check_samples(x)
     n = x.shape[0]
     if squash_nans:
         x = jnp.where(jnp.isnan(x), jnp.nan, x)  # one NaN, positive: it sorts last
