@@ -42,6 +42,17 @@ def x64():
     return enable_x64()
 
 
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, those of its sub-jaxprs (jit, scan, cond, custom rules, ...)
+    included, depth first."""
+    import jax
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
+
+
 def random_bars(t_len: int, n_feat: int, seed: int = 0, *, start: float = 1600.0,
                 step_sd: float = 1.0, open_sd: float = 0.3, max_wick_ticks: int = 2):
     """Random OHLC bars on the 0.25 tick grid (exact in float32) plus random features.

@@ -12,7 +12,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import x64
+from helpers import all_eqns, x64
 from jax.test_util import check_grads
 
 from jdqn.config import ModelConfig
@@ -123,14 +123,8 @@ def test_bf16_matmuls_really_run_in_bf16(params):
 
 def _dot_outputs(jaxpr) -> list[tuple[str, int]]:
     """(output dtype, output width) of every dot_general in a jaxpr, nested calls included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            aval = eqn.outvars[0].aval
-            found.append((str(aval.dtype), aval.shape[-1]))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _dot_outputs(sub)
-    return found
+    return [(str(e.outvars[0].aval.dtype), e.outvars[0].aval.shape[-1])
+            for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
@@ -160,16 +154,10 @@ def test_bf16_bias_gradients_are_reduced_in_float32(params):
         out = NET16.apply(p, _obs(), TAUS)
         return sum(jnp.sum(lg) for lg in out.logits) + sum(jnp.sum(q) for q in out.quantiles)
 
-    def reduces(jaxpr):
-        found = []
-        for eqn in jaxpr.eqns:
-            shape = eqn.invars[0].aval.shape if eqn.invars else ()
-            if eqn.primitive.name == "reduce_sum" and any(shape[a] > 1
-                                                          for a in eqn.params["axes"]):
-                found.append(str(eqn.outvars[0].aval.dtype))  # a real sum, not a squeeze
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                found += reduces(sub)
-        return found
+    def reduces(jaxpr):  # dtypes of real sums (not squeezes)
+        return [str(e.outvars[0].aval.dtype) for e in all_eqns(jaxpr)
+                if e.primitive.name == "reduce_sum"
+                and any(e.invars[0].aval.shape[a] > 1 for a in e.params["axes"])]
 
     dtypes = reduces(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
     assert dtypes and set(dtypes) == {"float32"}, dtypes

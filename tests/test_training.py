@@ -15,7 +15,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config, tiny_toml
+from helpers import all_eqns, tiny_config, tiny_toml
 
 from jdqn.errors import CheckpointError, TrainingHalted
 from jdqn.train import job as job_lib
@@ -94,13 +94,6 @@ def test_fold_reset_syncs_targets_zeroes_moments_and_carries_normaliser():
 # --------------------------------------------------------------------------------------------
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub)
-
-
 def test_the_update_skip_stays_a_conditional_for_one_seed_and_for_several():
     """The conditional that skips the updates until the replay is ready stays a conditional:
     vmapped over seeds its predicate would be batched and it would become a select running the
@@ -113,7 +106,7 @@ def test_the_update_skip_stays_a_conditional_for_one_seed_and_for_several():
         cfg = tiny_config(f"train.seeds={seeds}")
         p, env_params, state = _setup(cfg)
         jaxpr = jax.make_jaxpr(make_epoch_fn(p.learner))(state, env_params, jnp.asarray(0))
-        skips = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "cond"
+        skips = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "cond"
                  and any("dot_general" in str(br) for br in e.params["branches"])]
         assert len(skips) == 1, seeds
         # two branches, the skip without a matmul
@@ -246,15 +239,8 @@ def test_an_epoch_is_one_program_with_no_host_round_trip():
     fn = make_epoch_fn(p.learner)
     fold = jax.device_put(jnp.asarray(0))
 
-    def prims(jaxpr):
-        out = set()
-        for eqn in jaxpr.eqns:
-            out.add(eqn.primitive.name)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                out |= prims(sub)
-        return out
-
-    names = prims(jax.make_jaxpr(fn)(state, env_params, fold).jaxpr)
+    names = {e.primitive.name for e in all_eqns(jax.make_jaxpr(fn)(state, env_params,
+                                                                    fold).jaxpr)}
     assert "scan" in names or "while" in names
     host = {n for n in names if "callback" in n or n in ("debug_print", "infeed", "outfeed")}
     assert not host, host
