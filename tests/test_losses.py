@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import x64
+from helpers import all_eqns, x64
 from jax.test_util import check_grads
 
 from jdqn.config import ModelConfig, TrainConfig
@@ -33,6 +33,7 @@ from jdqn.losses import (
     warmup_alpha,
     warmup_blend_loss,
 )
+from jdqn.losses.total import next_state_forwards
 from jdqn.networks import BranchingQNetwork, init_params_batched, make_support
 
 W = 12
@@ -401,12 +402,70 @@ def test_total_loss_shapes_components_and_importance_weights(online, target):
 
 
 def test_fused_and_separate_next_obs_forward_agree(online, target):
+    """Values and gradients: one online forward over [s; s′] (fused) against the separate one
+    at s with the twin online/target forward at s′ (next_state_forwards)."""
     args = (online, target, _batch(), jax.random.key(0), init_moe_state(3), 0.3)
     net = BranchingQNetwork(dataclasses.replace(SMALL, fuse_next_obs=False), FLOW)
-    separate = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))
-    (loss_f, aux_f), (loss_s, aux_s) = LOSS(*args), separate(*args)
+    grad = functools.partial(jax.value_and_grad, has_aux=True)
+    fused = jax.jit(grad(functools.partial(total_loss, net=NET, train_cfg=TRAIN)))
+    separate = jax.jit(grad(functools.partial(total_loss, net=net, train_cfg=TRAIN)))
+    ((loss_f, aux_f), g_f), ((loss_s, aux_s), g_s) = fused(*args), separate(*args)
     np.testing.assert_allclose(loss_f, loss_s, rtol=1e-5)
     np.testing.assert_allclose(aux_f[1], aux_s[1], rtol=1e-5)
+    chex.assert_trees_all_close(aux_f[0], aux_s[0], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(g_f, g_s, rtol=1e-4, atol=1e-6)
+    assert float(optax_norm(g_s)) > 0
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def _dot_batch_sizes(jaxpr) -> list[tuple[int, ...]]:
+    """The sizes of the lhs batch dimensions of every dot_general (() for a plain matmul)."""
+    return [tuple(e.invars[0].aval.shape[d] for d in e.params["dimension_numbers"][1][0])
+            for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+
+
+def test_next_state_forwards_is_both_networks_in_one_batched_pass(online, target):
+    """The twin forward at s′ equals two separate forwards (online without IQN, target with
+    its quantiles at τ′), and every matmul of trunk and C51 heads runs once, batched over the
+    two networks; only the target's IQN head runs unbatched."""
+    next_obs = _batch().next_obs
+    taus = jax.random.uniform(jax.random.key(3), (B, SMALL.iqn_n_prime))
+    fn = jax.jit(functools.partial(next_state_forwards, NET))
+    online_next, tgt = fn(online, target, next_obs, taus)
+    ref_online = NET.apply(online, next_obs)
+    ref_target = NET.apply(target, next_obs, taus, grad_free=True)
+    assert online_next.quantiles is None and ref_online.quantiles is None
+    chex.assert_trees_all_close(online_next, ref_online, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(tgt, ref_target, rtol=1e-5, atol=1e-6)
+    # not the same network twice: the two outputs differ
+    assert not np.allclose(online_next.q[0], tgt.q[0])
+
+    one = _dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs))(online).jaxpr)
+    twin = _dot_batch_sizes(jax.make_jaxpr(fn)(online, target, next_obs, taus).jaxpr)
+    iqn = (_dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs, taus))(
+        online).jaxpr))[len(one):]
+    assert one and all(b == () for b in one) and iqn
+    assert sorted(twin) == sorted([(2,)] * len(one) + [()] * len(iqn))
+    # twin=False: the two passes, the same outputs
+    two = jax.jit(functools.partial(next_state_forwards, NET, twin=False))(
+        online, target, next_obs, taus)
+    chex.assert_trees_all_close(two, (online_next, tgt), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_total_loss_pairs_the_next_state_forwards_under_float32_only(online, target, dtype):
+    """The twin pass where it was measured faster on the H200 (float32 matmuls), two passes
+    under bf16 (docs/model.md); the fused [s; s′] form has no pass at s′ to pair."""
+    args = (online, target, _batch(), jax.random.key(0), init_moe_state(3), 0.3)
+    for fuse in (False, True):
+        net = BranchingQNetwork(dataclasses.replace(SMALL, fuse_next_obs=fuse,
+                                                    matmul_dtype=dtype), FLOW)
+        jaxpr = jax.make_jaxpr(functools.partial(total_loss, net=net, train_cfg=TRAIN))(*args)
+        paired = (2,) in _dot_batch_sizes(jaxpr.jaxpr)
+        assert paired == (dtype == "float32" and not fuse), (dtype, fuse)
 
 
 def test_loss_without_iqn_head(online):

@@ -48,6 +48,7 @@ class NetOutput(NamedTuple):
     quantiles: tuple[Array, ...] | None  # per branch [B_τ, A_d, Q] when taus were given
     aux: dict[str, Array]  # diagnostics: 'selection' [B, W] variable-selection weights,
     #                        'gate_util' [K] = mean_b gate, 'gate_entropy' [] = mean_b H(gate[b])
+    features: Array  # [B, H] the trunk's output h (what the heads read; see iqn_quantiles)
 
 
 class BranchingQNetwork(nn.Module):
@@ -93,6 +94,7 @@ class BranchingQNetwork(nn.Module):
                  "gate_util": jnp.mean(trunk.gate, axis=0),
                  "gate_entropy": jnp.mean(-jnp.sum(trunk.gate * jnp.log(trunk.gate + 1e-12),
                                                    axis=-1))},
+            features=trunk.h,
         )
 
 
@@ -110,6 +112,20 @@ def init_params_batched(net: BranchingQNetwork, keys: Array, obs_width: int) -> 
     """One parameter tree per key, stacked on a leading seed axis: keys [S] → leaves [S, ...].
     Each seed gets its own key, so the seeds' parameters differ."""
     return jax.vmap(lambda k: init_params(net, k, obs_width))(keys)
+
+
+def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Array,
+                  grad_free: bool = False) -> tuple[Array, ...]:
+    """The IQN head alone on trunk features ``[B, H]`` (``NetOutput.features``) at ``taus
+    [B, Q]``: per branch ``[B, A_d, Q]``, the same values as ``net.apply(params, obs,
+    taus).quantiles`` for the features of ``obs``. ``grad_free`` as in
+    :class:`BranchingQNetwork`."""
+    c = net.cfg
+    if not c.iqn:
+        raise ValueError("iqn_quantiles: ModelConfig.iqn is false (no IQN head)")
+    head = IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
+                   grad_free and use_pallas(c.impl, "iqn"))
+    return head.apply({"params": params["params"]["iqn"]}, features, taus)
 
 
 def quantiles(net: BranchingQNetwork, params: Any, obs: Array, taus: Array) -> tuple[Array, ...]:
