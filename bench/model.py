@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="*", help="batch sizes (overrides defaults)")
     ap.add_argument("--matmul-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--unfused", action="store_true",
-                    help="two online forwards (s, s′) instead of one over the concatenation")
+                    help="fuse_next_obs=false: online at s, then online and target at s′ (paired "
+                    "in one pass under float32) instead of one online forward over [s; s′]")
     ap.add_argument("--no-iqn", action="store_true")
     ap.add_argument("--obs-width", type=int, default=128)
     ap.add_argument("--n-flow", type=int, default=3, help="order-flow features fed to heads")

@@ -42,6 +42,7 @@ from timing import best_of
 
 import jdqn.pallas
 from jdqn.config import apply_overrides, config_from_dict, load_config
+from jdqn.losses.total import pairs_next_state_forwards
 from jdqn.train import epoch as epoch_lib
 from jdqn.train import job as job_lib
 from jdqn.train import parallel, xla_options
@@ -213,6 +214,7 @@ def main() -> None:
         "bench": "train", "config": Path(args.config).name, "quick": args.quick,
         "sets": args.sets, "pallas_kernels": sorted(jdqn.pallas.GPU_VALIDATED),
         "fuse_next_obs": base.model.fuse_next_obs,
+        "next_state_twin": pairs_next_state_forwards(base.model),
         "matmul_dtype": args.dtype, "matmul_precision": args.precision,
         "model": {k: getattr(base.model, k) for k in ("width", "n_grn_blocks", "n_experts",
                                                        "expert_hidden", "n_atoms", "iqn")},

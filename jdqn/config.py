@@ -212,7 +212,10 @@ class ModelConfig:
     # "bfloat16" = mixed precision: bf16 matmul inputs and stored activations, float32
     # accumulation, bias adds, logits, gate and losses (docs/model.md, "Precision").
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
-    fuse_next_obs: bool = True  # loss: one online forward over [s; s′] (fewer kernels) vs two
+    # loss: one online forward over [s; s′] (fewer kernels), or false: online at s, then the
+    # online and target forwards at s′ (one pass paired over both networks under float32;
+    # docs/model.md, "Losses")
+    fuse_next_obs: bool = True
     # Kernels (SPEC §8): "pallas" = the fused Pallas kernels (jdqn/pallas; on CPU they run in
     # Pallas' interpreter, for tests), "xla" = the plain-JAX reference, "auto" = pallas on GPU,
     # xla elsewhere.

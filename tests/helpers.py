@@ -45,7 +45,7 @@ def x64():
 def all_eqns(jaxpr):
     """Every equation of a jaxpr, those of its sub-jaxprs (jit, scan, cond, custom rules, ...)
     included, depth first."""
-    import jax
+    import jax.extend.core
 
     for eqn in jaxpr.eqns:
         yield eqn

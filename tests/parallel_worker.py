@@ -48,7 +48,8 @@ def gradient_check() -> dict:
     device's on the whole batch; a non-uniform gate so the load-balance term has a gradient.
     The control computes each device's load balance on its own share (what a naive split
     would do) and must differ."""
-    cfg = tiny_config("model.iqn=false", f"parallel.n_devices={N_DEV}")
+    # fuse_next_obs=false: the online and target forwards at s′ paired in one pass (float32)
+    cfg = tiny_config("model.iqn=false", "model.fuse_next_obs=false", f"parallel.n_devices={N_DEV}")
     p = job_lib.prepare(cfg)
     net = p.learner.net
     env_params = job_lib.fold_env_params(cfg, p, 0)
@@ -104,7 +105,7 @@ def gradient_check() -> dict:
 def job_config():
     """One config for the epoch and job checks, so they share the compiled epoch."""
     return tiny_config("train.seeds=[0, 1]", f"parallel.n_devices={N_DEV}",
-                       "logging.tensorboard=false")
+                       "logging.tensorboard=false", "model.fuse_next_obs=false")
 
 
 def _split_check(st) -> tuple[list[str], int, bool]:

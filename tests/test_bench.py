@@ -25,6 +25,8 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text())  # --out holds the same, complete record
     assert printed["complete"] and printed["pallas_kernels"] == ["iqn", "projection"]
+    # gpu.toml: online at s, then online + target paired at s′ (float32)
+    assert printed["fuse_next_obs"] is False and printed["next_state_twin"] is True
     (row,) = printed["updates"]
     assert row["batch"] == 64 and row["ms_per_update"] > 0
     assert row["samples_per_s"] == pytest.approx(64 * row["updates_per_s"])

@@ -443,6 +443,9 @@ def test_next_state_forwards_is_both_networks_in_one_batched_pass(online, target
     # not the same network twice: the two outputs differ
     assert not np.allclose(online_next.q[0], tgt.q[0])
 
+    # Structure: the network's own matmuls are unbatched, so in the twin program every trunk and
+    # head matmul carries the pair's batch dimension (s′ is broadcast to both networks) and the
+    # IQN head's (the last dots of a forward with taus) carry none.
     one = _dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs))(online).jaxpr)
     twin = _dot_batch_sizes(jax.make_jaxpr(fn)(online, target, next_obs, taus).jaxpr)
     iqn = (_dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs, taus))(

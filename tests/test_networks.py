@@ -8,7 +8,6 @@ from pathlib import Path
 
 import chex
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -147,10 +147,13 @@ def test_impl_switch_resolves_per_backend_and_refuses_unknown_values():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_total_loss_and_gradients_agree_between_pallas_and_xla():
+@pytest.mark.parametrize("fuse_next_obs", [True, False])
+def test_total_loss_and_gradients_agree_between_pallas_and_xla(fuse_next_obs):
+    """fuse_next_obs=False pairs the online and target forwards at s′ (the MoE kernel vmapped
+    over the two networks) and runs the target's IQN head alone through its fused kernel."""
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, v_min=-5.0, v_max=5.0, iqn=True, iqn_embed=8,
-                      iqn_n=4, iqn_n_prime=4)
+                      iqn_n=4, iqn_n_prime=4, fuse_next_obs=fuse_next_obs)
     train = TrainConfig()
     from jdqn.losses import Batch
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -20,7 +20,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jdqn.config import TrainConfig
+from jdqn.config import ModelConfig, TrainConfig
 from jdqn.losses.batch import branching_iqn_loss_batch, branching_td_loss_batch
 from jdqn.losses.moe import (
     MoEState,
@@ -63,6 +63,13 @@ def _rows(out: NetOutput, sl: slice) -> NetOutput:
         features=out.features[sl])
 
 
+def pairs_next_state_forwards(cfg: ModelConfig) -> bool:
+    """Whether :func:`total_loss` runs the online and target forwards at s′ as one paired pass
+    (:func:`next_state_forwards` with ``twin=True``): with the separate online forward at s
+    (``fuse_next_obs = false``) under float32 matmuls, where the pairing was measured faster."""
+    return not cfg.fuse_next_obs and cfg.matmul_dtype == "float32"
+
+
 def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
                         next_obs: Array, taus_prime: Array | None,
                         twin: bool = True) -> tuple[NetOutput, NetOutput]:
@@ -76,7 +83,7 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     the target's trunk features. ``twin=False``: two ``net.apply`` calls. The same function
     either way, to rounding (tested). :func:`total_loss` takes the twin pass for float32
     matmuls, where it was measured faster, and two passes for bf16, where it was not (H200,
-    update at B = 16384: float32 3.50–3.54 vs 3.60–3.68 ms; bf16 2.32–2.37 vs 2.29–2.30 ms;
+    update at B = 16384: float32 3.50–3.55 vs 3.62–3.68 ms; bf16 2.32 vs 2.29–2.30 ms;
     ``docs/model.md``).
     """
     params, target_params = jax.lax.stop_gradient((params, target_params))
@@ -138,7 +145,7 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     else:
         online = net.apply(params, batch.obs, taus)
         online_next, target = next_state_forwards(net, params, target_params, batch.next_obs,
-                                                  taus_prime, twin=cfg.matmul_dtype == "float32")
+                                                  taus_prime, twin=pairs_next_state_forwards(cfg))
     online_next = jax.lax.stop_gradient(online_next)
     target = jax.lax.stop_gradient(target)
 
