@@ -35,6 +35,7 @@ from jdqn.losses import (
 )
 from jdqn.losses.total import next_state_forwards
 from jdqn.networks import BranchingQNetwork, init_params_batched, make_support
+from jdqn.networks.model import iqn_quantiles
 
 W = 12
 FLOW = (1, 2)
@@ -480,6 +481,8 @@ def test_loss_without_iqn_head(online):
     loss, (comp, _, _, _) = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))(
         params, params, _batch(), jax.random.key(0), init_moe_state(3), 1.0)
     assert float(comp["iqn"]) == 0.0 and np.isfinite(float(loss))
+    with pytest.raises(ValueError, match="ModelConfig.iqn is false"):
+        iqn_quantiles(net, params, jnp.zeros((2, SMALL.width)), jnp.full((2, 3), 0.5))
 
 
 def test_forward_and_loss_jit_and_vmap_over_seeds(seed_params):

@@ -51,6 +51,12 @@ class NetOutput(NamedTuple):
     features: Array  # [B, H] the trunk's output h (what the heads read; see iqn_quantiles)
 
 
+def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
+    """The IQN head of ``c``; the fused kernel where no gradient is taken and ``c.impl`` picks it."""
+    return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
+                   grad_free and use_pallas(c.impl, "iqn"), **kw)
+
+
 class BranchingQNetwork(nn.Module):
     """``apply(params, obs [B, W], taus [B_τ, Q] | None, grad_free=False) -> NetOutput``.
 
@@ -81,9 +87,7 @@ class BranchingQNetwork(nn.Module):
         if taus is not None:
             if not c.iqn:
                 raise ValueError("taus given but ModelConfig.iqn is false (no IQN head)")
-            fused = grad_free and use_pallas(c.impl, "iqn")
-            quantiles = IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
-                                fused, name="iqn")(trunk.h[: taus.shape[0]], taus)
+            quantiles = _iqn_head(c, grad_free, name="iqn")(trunk.h[: taus.shape[0]], taus)
         return NetOutput(
             logits=logits,
             q=tuple(expected_q(lg, support) for lg in logits),
@@ -123,9 +127,7 @@ def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Ar
     c = net.cfg
     if not c.iqn:
         raise ValueError("iqn_quantiles: ModelConfig.iqn is false (no IQN head)")
-    head = IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
-                   grad_free and use_pallas(c.impl, "iqn"))
-    return head.apply({"params": params["params"]["iqn"]}, features, taus)
+    return _iqn_head(c, grad_free).apply({"params": params["params"]["iqn"]}, features, taus)
 
 
 def quantiles(net: BranchingQNetwork, params: Any, obs: Array, taus: Array) -> tuple[Array, ...]:
