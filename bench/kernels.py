@@ -204,9 +204,55 @@ def bench_moe(b: int, reps: int, tiles: list[tuple[int, int, int, int]], k: int 
     return results
 
 
+def bench_modulation(b: int, reps: int, tiles: list[tuple[int, int]], q: int = 8,
+                     h: int = 256) -> dict:
+    """The backward pass of the IQN τ modulation ``h ⊙ relu(pre + be)`` (what the update runs
+    for the online network): XLA's autodiff of the reference vs the one-pass kernel, over tiles
+    (samples per program, warps); the gradients' largest relative difference and a bitwise
+    repeat. Each row times ``(dh, dpre, dbe)`` from a given cotangent."""
+    from jdqn.pallas import modulation
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    args = (jax.random.normal(ks[0], (b, h)), jax.random.normal(ks[1], (b, q, h)),
+            jax.random.normal(ks[2], (h,)) * 0.1, jax.random.normal(ks[3], (b, q, h)))
+
+    def xla(hh, pre, be, g):
+        return jax.vjp(modulation.reference, hh, pre, be)[1](g)
+
+    fns = {"xla_reference": xla}
+    for rows, warps in tiles:
+        def fn(hh, pre, be, g, rows=rows, warps=warps):
+            old = modulation.ROWS, modulation.NUM_WARPS
+            modulation.ROWS, modulation.NUM_WARPS = rows, warps
+            try:  # the tile constants are read when the kernel is traced (under jit)
+                return modulation.backward(g, hh, pre, be, False)
+            finally:
+                modulation.ROWS, modulation.NUM_WARPS = old
+        fns[f"pallas_rows{rows}_w{warps}"] = fn
+    ref = jax.jit(xla)(*args)
+    results = {}
+    for name, fn in fns.items():
+        if name.startswith("pallas") and jax.default_backend() != "gpu":
+            results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
+            continue
+        try:
+            one = jax.jit(fn)
+            a, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
+            rel = [float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a, ref)]
+            results[name] = {"us": round(1e6 * seconds_per_call(fn, args, reps), 1),
+                             "max_rel_diff": dict(zip(("dh", "dpre", "dbe"), rel)),
+                             "bitwise_repeat": all(bool(jnp.array_equal(x, y))
+                                                   for x, y in zip(a, a2))}
+        except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    return {"quantiles": q, "width": h, "results": results}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe"),
+    ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
+                                         "modulation"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -214,6 +260,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--moe-tiles", default="64/64/32/4",
                     help="MoE kernel tiles to time: rows/h_chunk/bwd_rows/num_warps, comma-separated")
+    ap.add_argument("--modulation-tiles", default="4/4,8/8,2/4,8/4,16/8",
+                    help="modulation kernel tiles to time: rows/num_warps, comma-separated")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -230,6 +278,12 @@ def main() -> None:
                           "results": bench_moe(b, args.reps, [
                               tuple(int(v) for v in t.split("/"))
                               for t in args.moe_tiles.split(",")]), **meta}))
+        return
+    if args.kernel == "modulation":
+        print(json.dumps({"bench": "kernels", "kernel": "modulation",
+                          **bench_modulation(b, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.modulation_tiles.split(",")]), **meta}))
         return
     if args.kernel == "c51_loss":
         print(json.dumps({"bench": "kernels", "kernel": "c51_loss",

@@ -397,3 +397,61 @@ def test_the_network_mixes_experts_in_the_kernel_under_pallas_in_float32(monkeyp
     np.testing.assert_allclose(got.gate, want.gate, rtol=1e-5, atol=1e-7)
     for a, b in zip(got.logits, want.logits, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# IQN τ modulation: backward kernel
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(16, 8, 32), (7, 4, 16), (5, 1, 8)])  # (B, Q, H); 7, 5 pad B
+def test_modulation_kernel_gradients_match_autodiff_of_the_reference(shape):
+    from jdqn.pallas import modulation
+
+    b, q, hw = shape
+    k = jax.random.split(jax.random.key(b), 4)
+    h, pre = jax.random.normal(k[0], (b, hw)), jax.random.normal(k[1], (b, q, hw))
+    be = jax.random.normal(k[2], (hw,)) * 0.1
+    pre = pre.at[0, 0, :2].set(-be[:2])  # exactly at the ReLU's kink: gradient 0 there, as XLA's
+    g = jax.random.normal(k[3], (b, q, hw))
+    want = jax.vjp(modulation.reference, h, pre, be)[1](g)
+    value, vjp = jax.vjp(lambda *a: modulation.modulate(*a, True), h, pre, be)
+    got = vjp(g)
+    np.testing.assert_array_equal(value, modulation.reference(h, pre, be))  # XLA's forward
+    np.testing.assert_array_equal(got[1], want[1])  # dpre: one product per element
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)  # dh: a sum over Q
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5)  # dbe: over B·Q
+    assert not np.array_equal(got[0], np.zeros_like(got[0]))
+    # vmapped (several seeds in one program): the kernel gains a grid axis, same result
+    seeds = jax.vmap(lambda *a: jax.vjp(lambda *x: modulation.modulate(*x, True), *a[:3])[1](
+        a[3]))(*(jnp.stack([x, 2 * x]) for x in (h, pre, be, g)))
+    np.testing.assert_allclose(seeds[0][0], got[0], rtol=1e-6, atol=1e-6)
+
+
+def test_modulation_kernel_is_taken_only_where_it_applies():
+    """iqn_features with the kernel selected: a float32 head with Q and H powers of two runs its
+    backward through the kernel (and gives the reference's gradients); Q = 3 or bf16 matmuls
+    keep XLA; a direct call with other shapes is refused with the shapes named."""
+    from helpers import all_eqns
+
+    from jdqn.networks.heads import iqn_features
+    from jdqn.pallas import modulation
+
+    def kernels(q, dtype, use):
+        args = _iqn_args(6, q, 16, 4, 8, 5)
+        fn = jax.grad(lambda *a: jnp.sum(iqn_features(*a, dtype, use) ** 2), argnums=(0, 2, 3))
+        names = [str(e.params.get("name") or e.params.get("name_and_src_info"))  # JAX versions
+                 for e in all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+                 if e.primitive.name == "pallas_call"]
+        return names, fn(*args)
+
+    names, grads = kernels(4, "float32", True)
+    assert len(names) == 1 and "iqn_modulation_bwd" in names[0], names
+    ref_names, ref = kernels(4, "float32", False)
+    assert ref_names == []
+    for got, want in zip(grads, ref, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert kernels(3, "float32", True)[0] == []
+    assert kernels(4, "bfloat16", True)[0] == []
+    with pytest.raises(ValueError, match=r"powers of two.*pre \(2, 3, 16\)"):
+        modulation.modulate(jnp.ones((2, 16)), jnp.ones((2, 3, 16)), jnp.ones(16), True)

@@ -187,15 +187,23 @@ def cosine_embedding(taus: Array, n_basis: int) -> Array:
 
 
 def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array, w2: Array,
-                 b2: Array, matmul_dtype: str) -> Array:
+                 b2: Array, matmul_dtype: str, modulation_kernel: bool = False) -> Array:
     """The IQN head's dense stack, plain JAX (the reference of the fused kernel
     :mod:`jdqn.pallas.iqn`): ``out[b, q] = W2·relu(W1·(h_b ⊙ relu(We·cos(π i τ_bq) + be)) + b1)
     + b2``. h [B, H], taus [B, Q] → [B, Q, O] (float32, or the input dtype), under the precision
-    policy of :mod:`jdqn.networks.trunk`."""
+    policy of :mod:`jdqn.networks.trunk`. ``modulation_kernel``: the τ modulation
+    ``h ⊙ relu(·)``'s backward pass runs as one Pallas kernel (:mod:`jdqn.pallas.modulation`)
+    where it applies (float32, Q and H powers of two); the values are the same either way."""
+    from jdqn.pallas import modulation
+
     md = matmul_dtype
     emb = cosine_embedding(taus.astype(wide_dtype(md, h)), we.shape[0])  # [B, Q, M]
-    phi = nn.relu(add_bias(matmul(emb, we, md, act_dtype(md, emb)), be))  # [B, Q, H]
-    x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
+    pre = matmul(emb, we, md, act_dtype(md, emb))  # [B, Q, H]
+    if modulation_kernel and modulation.eligible(pre) and h.dtype == jnp.float32:
+        x = modulation.modulate(h, pre, be, jax.default_backend() != "gpu")
+    else:
+        phi = nn.relu(add_bias(pre, be))
+        x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
     hid = nn.relu(add_bias(matmul(x, w1, md, act_dtype(md, x)), b1))
     return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2)  # [B, Q, O]
 
@@ -221,6 +229,7 @@ class IQNHead(nn.Module):
     hidden: int
     matmul_dtype: str = "float32"
     fused: bool = False
+    modulation_kernel: bool = False  # see iqn_features
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
@@ -241,7 +250,8 @@ class IQNHead(nn.Module):
             out = iqn_features_pallas(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
                                       jax.default_backend() != "gpu")
         else:
-            out = iqn_features(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype)
+            out = iqn_features(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
+                               self.modulation_kernel)
         value, adv = out[..., :1], out[..., 1:]  # [B, Q, 1+ΣA]
         result, start = [], 0
         for a in self.branch_sizes:

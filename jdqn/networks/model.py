@@ -54,7 +54,8 @@ class NetOutput(NamedTuple):
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
     """The IQN head of ``c``; the fused kernel where no gradient is taken and ``c.impl`` picks it."""
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
-                   grad_free and use_pallas(c.impl, "iqn"), **kw)
+                   grad_free and use_pallas(c.impl, "iqn"),
+                   use_pallas(c.impl, "iqn_modulation"), **kw)
 
 
 class BranchingQNetwork(nn.Module):

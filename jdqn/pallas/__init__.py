@@ -23,6 +23,11 @@ Kernels in this version:
   is :func:`jdqn.pallas.moe.moe_mixture_reference`. Measured on the H200: slower than XLA's
   two cuBLAS GEMMs (551 vs 137 µs forward + backward, 5.08 vs 4.19 ms per update).
 
+* :func:`jdqn.pallas.modulation.modulate` — the IQN head's τ modulation ``h ⊙ relu(pre + be)``
+  with its backward pass (``dh``, ``dpre`` and the bias gradient) in one kernel, float32; the
+  oracle is :func:`jdqn.pallas.modulation.reference`. Measured on the H200: slower than XLA
+  alone (214 vs 78 µs) and no faster in the update (3.53 vs 3.54 ms).
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -37,7 +42,7 @@ Array = jax.Array
 
 
 # Kernels measured on the H200 to speed up the update (bench/results/). Not listed, measured
-# slower in the update: "c51_loss", "iqn", "moe".
+# slower in the update: "c51_loss", "iqn", "moe"; no faster: "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection"})
 
 
