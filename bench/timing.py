@@ -22,12 +22,15 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
 def seconds_per_call(fn: Callable[..., Any], args: tuple, reps: int) -> float:
     """Seconds per ``fn(*args)`` run ``reps`` times in one jitted ``lax.fori_loop``, after a
     warm-up call that compiles it. The first argument is perturbed per iteration (so nothing is
-    hoisted out of the loop) and every output leaf is consumed."""
+    hoisted out of the loop) and every output leaf is consumed, behind an optimisation barrier:
+    the outputs are materialised as a caller would get them, not fused into the consuming sums
+    (without the barrier XLA could sum a large output inside the kernel that computes it, and
+    skip writing it; added 2026-12-01, results before then lack it)."""
     import jax
     import jax.numpy as jnp
 
     def body(i, acc, x, rest):
-        out = fn((x + 1e-3 * i).astype(x.dtype), *rest)
+        out = jax.lax.optimization_barrier(fn((x + 1e-3 * i).astype(x.dtype), *rest))
         return acc + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in jax.tree.leaves(out))
 
     loop = jax.jit(lambda x, *rest: jax.lax.fori_loop(

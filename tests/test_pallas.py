@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,7 +288,8 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
 
 def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypatch):
     """``impl = "pallas"``: the target network's quantiles (``grad_free=True``) come from the
-    fused kernel, the online ones (differentiated) from XLA; both equal the XLA network."""
+    fused kernel, the online ones (differentiated) from XLA's forward (their backward pass goes
+    through the modulation kernel: the next test); both equal the XLA network."""
     from jdqn.networks import trunk as trunk_module
     from jdqn.pallas import iqn as iqn_module
 
@@ -315,6 +317,36 @@ def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypat
     calls.clear()
     xla_net.apply(params, obs, taus, grad_free=True)
     assert calls == []  # impl = "xla" never takes a kernel
+
+
+def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkeypatch):
+    """``impl = "pallas"``: the gradient of the online quantiles (τ for the first B_τ = 5 of
+    9 rows, as the loss asks) runs the modulation kernel once and equals the XLA network's;
+    ``impl = "xla"`` runs no kernel."""
+    from helpers import all_eqns
+
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: False)  # MoE off
+    cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4)
+    obs = jax.random.normal(jax.random.key(1), (9, 24))
+    taus = jax.random.uniform(jax.random.key(2), (5, 4))
+    params = init_params(BranchingQNetwork(cfg), jax.random.key(0), 24)
+    results = {}
+    for impl in ("xla", "pallas"):
+        net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
+
+        def loss(p, net=net):
+            return sum(jnp.sum(jnp.square(q)) for q in net.apply(p, obs, taus).quantiles)
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+        kernels = [str(e.params.get("name") or e.params.get("name_and_src_info"))
+                   for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+        results[impl] = kernels, jax.grad(loss)(params)
+    assert results["xla"][0] == []
+    assert len(results["pallas"][0]) == 1 and "iqn_modulation_bwd" in results["pallas"][0][0]
+    chex.assert_trees_all_close(results["pallas"][1], results["xla"][1], rtol=1e-5, atol=1e-6)
 
 
 # (B, K, E, H): the default mixture at a batch that is not a multiple of the tile, odd sizes
@@ -422,10 +454,19 @@ def test_modulation_kernel_gradients_match_autodiff_of_the_reference(shape):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)  # dh: a sum over Q
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5)  # dbe: over B·Q
     assert not np.array_equal(got[0], np.zeros_like(got[0]))
-    # vmapped (several seeds in one program): the kernel gains a grid axis, same result
-    seeds = jax.vmap(lambda *a: jax.vjp(lambda *x: modulation.modulate(*x, True), *a[:3])[1](
-        a[3]))(*(jnp.stack([x, 2 * x]) for x in (h, pre, be, g)))
-    np.testing.assert_allclose(seeds[0][0], got[0], rtol=1e-6, atol=1e-6)
+    # vmapped (several seeds in one program): the kernel gains a grid axis; every gradient of
+    # every seed equals the reference's, with the bias batched per seed or shared
+    def grads(fn, be_axis):
+        return jax.vmap(lambda hh, p, b_, gg: jax.vjp(fn, hh, p, b_)[1](gg),
+                        in_axes=(0, 0, be_axis, 0))
+
+    stacked = [jnp.stack([x, 2 * x - 0.1]) for x in (h, pre, g)]
+    for be_axis, bias in ((0, jnp.stack([be, -be])), (None, be)):
+        args = (stacked[0], stacked[1], bias, stacked[2])
+        seeds = grads(lambda *x: modulation.modulate(*x, True), be_axis)(*args)
+        ref = grads(modulation.reference, be_axis)(*args)
+        for s, r in zip(seeds, ref, strict=True):
+            np.testing.assert_allclose(s, r, rtol=1e-5, atol=1e-5)
 
 
 def test_modulation_kernel_is_taken_only_where_it_applies():
@@ -455,3 +496,19 @@ def test_modulation_kernel_is_taken_only_where_it_applies():
     assert kernels(4, "bfloat16", True)[0] == []
     with pytest.raises(ValueError, match=r"powers of two.*pre \(2, 3, 16\)"):
         modulation.modulate(jnp.ones((2, 16)), jnp.ones((2, 3, 16)), jnp.ones(16), True)
+    with pytest.raises(ValueError, match=r"be \[H\].*be \(1,\)"):
+        modulation.modulate(jnp.ones((2, 16)), jnp.ones((2, 4, 16)), jnp.ones(1), True)
+    assert not modulation.eligible(jnp.ones((2, 64, 256)))  # a tile row over MAX_QH
+    assert not modulation.eligible(jnp.ones((0, 4, 16)))
+
+
+def test_modulation_kernel_keeps_nan_where_the_reference_does():
+    from jdqn.pallas import modulation
+
+    h, pre, be, g = jnp.ones((2, 8)), jnp.ones((2, 2, 8)), jnp.zeros(8), jnp.ones((2, 2, 8))
+    pre = pre.at[1, 0, 3].set(jnp.nan)
+    want = jax.vjp(modulation.reference, h, pre, be)[1](g)
+    got = jax.vjp(lambda *a: modulation.modulate(*a, True), h, pre, be)[1](g)
+    for w, o in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(w))
+    assert np.isnan(got[0][1, 3])

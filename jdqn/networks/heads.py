@@ -194,11 +194,11 @@ def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Arr
     policy of :mod:`jdqn.networks.trunk`. ``modulation_kernel``: the τ modulation
     ``h ⊙ relu(·)``'s backward pass runs as one Pallas kernel (:mod:`jdqn.pallas.modulation`)
     where it applies (float32, Q and H powers of two); the values are the same either way."""
-    from jdqn.pallas import modulation
-
     md = matmul_dtype
     emb = cosine_embedding(taus.astype(wide_dtype(md, h)), we.shape[0])  # [B, Q, M]
     pre = matmul(emb, we, md, act_dtype(md, emb))  # [B, Q, H]
+    if modulation_kernel:
+        from jdqn.pallas import modulation
     if modulation_kernel and modulation.eligible(pre) and h.dtype == jnp.float32:
         x = modulation.modulate(h, pre, be, jax.default_backend() != "gpu")
     else:

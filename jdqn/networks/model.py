@@ -68,7 +68,9 @@ class BranchingQNetwork(nn.Module):
     use kernels whose backward pass is a recomputation (the fused IQN stack, when
     ``cfg.impl`` selects it); the values are the same function either way. Such a call
     supports reverse-mode differentiation (``jax.grad``) but not forward mode (``jax.jvp``,
-    ``jax.jacfwd``: a ``custom_vjp`` has no JVP).
+    ``jax.jacfwd``: a ``custom_vjp`` has no JVP). The same holds for every call under
+    ``impl = "pallas"`` (the MoE mixture and the IQN modulation then have custom VJPs) and for
+    kernels ``"auto"`` takes on the GPU.
     """
 
     cfg: ModelConfig

@@ -16,8 +16,8 @@ XLA computes them in two kernels that each read ``g`` and ``pre`` (``[B, Q, H]``
 in float32 at B = 16384, Q = 8, H = 256): one for ``dh`` (a sum over Q) and one for ``dpre``
 with the partial sums of ``dbe`` (a sum over B·Q); being reductions over different axes, they
 do not fuse. The kernel here reads each input once and writes ``dpre``, ``dh`` and one partial
-sum of ``dbe`` per program (summed by XLA afterwards, a ``[B / rows, H]`` array), so ~30 % less
-memory traffic. Every sum runs in a fixed order: bitwise repeatable.
+sum of ``dbe`` per program (summed by XLA afterwards, a ``[B / rows, H]`` array): three passes
+over ``[B, Q, H]`` tensors instead of five. Every sum runs in a fixed order: bitwise repeatable.
 
 The forward pass stays XLA's (one elementwise kernel, the same operations as the reference, so
 the values are bitwise the reference's); :func:`modulate` wraps both in a ``custom_vjp``.
@@ -26,14 +26,18 @@ Float32 only, ``Q`` and ``H`` powers of two (Triton's block rule; no padding of 
 tensors): :func:`eligible` says when; otherwise the caller keeps the reference. The batch is
 padded to a multiple of ``ROWS`` when it is not one (at the default sizes it is).
 
-Status: measured on the H200 at B = 16384, Q = 8, H = 256 (``bench/kernels.py --kernel
-modulation``, ``bench/results/kernels_h200_modulation.json``): 214 µs at the best of five tiles
-(2 samples per program, 4 warps; 302–1369 µs for the others) against **78 µs** for XLA's
-autodiff of the reference *alone*, where XLA fuses the two reductions better than it does inside
-the update (there its two kernels took 77 + 107 µs, ``profile_h200_f32_separate_next.json``);
-gradients within 3e-7 relative, ``dpre`` exact, bitwise repeatable. In the update: 3.526 vs
-3.542 ms (noise). So ``impl = "pallas"`` selects it and ``"auto"`` does not
-(:data:`jdqn.pallas.GPU_VALIDATED`). The kernel's 3-D ``[rows, Q, H]`` tiles are what a next
+Status: measured on the H200 at B = 16384, Q = 8, H = 256. In the update
+(``bench/results/train_h200_f32_pallas_modulation.json`` against
+``train_h200_f32_modulation_session_base.json``, one machine session): 3.526 vs 3.542 ms, noise.
+So ``impl = "pallas"`` selects it and ``"auto"`` does not (:data:`jdqn.pallas.GPU_VALIDATED`).
+Alone (``bench/kernels.py --kernel modulation``, ``kernels_h200_modulation.json``): 214 µs at
+the best of five tiles (2 samples per program, 4 warps; 302–1369 µs for the others), gradients
+within 3e-7 relative, ``dpre`` exact, bitwise repeatable; the 78 µs that file gives for XLA is
+too low to be the same work (writing ``dpre`` alone moves 134 MB): the timing loop then summed
+the outputs inside the jit, so XLA could fuse the sum of ``dpre`` instead of writing it (the
+loop now puts an optimisation barrier before the sums; not re-measured). Inside the update,
+XLA's two kernels for this took 77 µs (``dh``, fused there with the accumulation of ``h``'s
+other gradients) + 107 µs (``profile_h200_f32_separate_next.json``). The kernel's 3-D ``[rows, Q, H]`` tiles are what a next
 version would change (e.g. a ``[rows·Q, H]`` layout with the sum over Q as a segment sum).
 """
 
@@ -56,10 +60,17 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+# Largest Q·H tile row the kernel takes: each program holds a few [ROWS, Q, H] float32 tensors
+# in registers (the default head: Q·H = 2048).
+MAX_QH = 8192
+
+
 def eligible(pre: Array) -> bool:
-    """Whether the kernel takes ``pre [B, Q, H]``: float32 with Q and H powers of two."""
-    return (pre.ndim == 3 and pre.dtype == jnp.float32 and _is_pow2(pre.shape[1])
-            and _is_pow2(pre.shape[2]) and pre.shape[0] > 0)
+    """Whether the kernel takes ``pre [B, Q, H]``: float32, B > 0, Q and H powers of two with
+    Q·H ≤ :data:`MAX_QH`."""
+    return (pre.ndim == 3 and pre.dtype == jnp.float32 and pre.shape[0] > 0
+            and _is_pow2(pre.shape[1]) and _is_pow2(pre.shape[2])
+            and pre.shape[1] * pre.shape[2] <= MAX_QH)
 
 
 def reference(h: Array, pre: Array, be: Array) -> Array:
@@ -71,7 +82,8 @@ def _bwd_kernel(g_ref, h_ref, pre_ref, be_ref, dh_ref, dpre_ref, dbe_ref):
     g = g_ref[...]  # [R, Q, H]
     z = pre_ref[...] + be_ref[...]  # + [1, 1, H]
     pos = z > 0
-    dh_ref[...] = jnp.sum(g * jnp.where(pos, z, 0.0), axis=1, keepdims=True)  # [R, 1, H]
+    # relu as jax.nn.relu computes it (a NaN stays NaN); its gradient is 0 at z ≤ 0 (and NaN)
+    dh_ref[...] = jnp.sum(g * jnp.maximum(z, 0.0), axis=1, keepdims=True)  # [R, 1, H]
     dpre = jnp.where(pos, g * h_ref[...], 0.0)  # h: [R, 1, H]
     dpre_ref[...] = dpre
     dbe_ref[...] = jnp.sum(jnp.sum(dpre, axis=1, keepdims=True), axis=0, keepdims=True)
@@ -121,10 +133,11 @@ def backward(g: Array, h: Array, pre: Array, be: Array,
 def modulate(h: Array, pre: Array, be: Array, interpret: bool = False) -> Array:
     """:func:`reference` ``(h, pre, be)`` whose backward pass is the kernel (float32,
     :func:`eligible` shapes)."""
-    if not eligible(pre) or h.dtype != jnp.float32 or h.shape != (pre.shape[0], pre.shape[2]):
-        raise ValueError(f"iqn modulation kernel: needs float32 h [B, H] and pre [B, Q, H] with "
-                         f"Q, H powers of two; got h {h.shape} {h.dtype}, pre {pre.shape} "
-                         f"{pre.dtype}")
+    if (not eligible(pre) or h.dtype != jnp.float32 or h.shape != (pre.shape[0], pre.shape[2])
+            or be.shape != pre.shape[2:]):
+        raise ValueError(f"iqn modulation kernel: needs float32 h [B, H], pre [B, Q, H] and be "
+                         f"[H] with B > 0, Q and H powers of two, Q·H ≤ {MAX_QH}; got h "
+                         f"{h.shape} {h.dtype}, pre {pre.shape} {pre.dtype}, be {be.shape}")
     return reference(h, pre, be)
 
 
