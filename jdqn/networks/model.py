@@ -52,7 +52,7 @@ class NetOutput(NamedTuple):
 
 
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
-    """The IQN head of ``c``; the fused kernel where no gradient is taken and ``c.impl`` picks it."""
+    """The IQN head of ``c``; its fused kernel where no gradient is taken and ``c.impl`` says so."""
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
                    grad_free and use_pallas(c.impl, "iqn"),
                    use_pallas(c.impl, "iqn_modulation"), **kw)

@@ -37,8 +37,9 @@ too low to be the same work (writing ``dpre`` alone moves 134 MB): the timing lo
 the outputs inside the jit, so XLA could fuse the sum of ``dpre`` instead of writing it (the
 loop now puts an optimisation barrier before the sums; not re-measured). Inside the update,
 XLA's two kernels for this took 77 µs (``dh``, fused there with the accumulation of ``h``'s
-other gradients) + 107 µs (``profile_h200_f32_separate_next.json``). The kernel's 3-D ``[rows, Q, H]`` tiles are what a next
-version would change (e.g. a ``[rows·Q, H]`` layout with the sum over Q as a segment sum).
+other gradients) + 107 µs (``profile_h200_f32_separate_next.json``). The kernel's 3-D
+``[rows, Q, H]`` tiles are what a next version would change (e.g. a ``[rows·Q, H]`` layout with
+the sum over Q as a segment sum).
 """
 
 from __future__ import annotations
