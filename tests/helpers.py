@@ -53,6 +53,13 @@ def all_eqns(jaxpr):
             yield from all_eqns(sub)
 
 
+def pallas_kernel_names(jaxpr) -> list[str]:
+    """The names of the Pallas kernels a jaxpr calls, sub-jaxprs included (the parameter is
+    ``name`` or, on other JAX versions, ``name_and_src_info``)."""
+    return [str(e.params.get("name") or e.params.get("name_and_src_info"))
+            for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+
+
 def random_bars(t_len: int, n_feat: int, seed: int = 0, *, start: float = 1600.0,
                 step_sd: float = 1.0, open_sd: float = 0.3, max_wick_ticks: int = 2):
     """Random OHLC bars on the 0.25 tick grid (exact in float32) plus random features.

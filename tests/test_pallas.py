@@ -323,7 +323,7 @@ def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkey
     """``impl = "pallas"``: the gradient of the online quantiles (τ for the first B_τ = 5 of
     9 rows, as the loss asks) runs the modulation kernel once and equals the XLA network's;
     ``impl = "xla"`` runs no kernel."""
-    from helpers import all_eqns
+    from helpers import pallas_kernel_names
 
     from jdqn.networks import trunk as trunk_module
 
@@ -341,8 +341,7 @@ def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkey
             return sum(jnp.sum(jnp.square(q)) for q in net.apply(p, obs, taus).quantiles)
 
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
-        kernels = [str(e.params.get("name") or e.params.get("name_and_src_info"))
-                   for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+        kernels = pallas_kernel_names(jaxpr)
         results[impl] = kernels, jax.grad(loss)(params)
     assert results["xla"][0] == []
     assert len(results["pallas"][0]) == 1 and "iqn_modulation_bwd" in results["pallas"][0][0]
@@ -473,7 +472,7 @@ def test_modulation_kernel_is_taken_only_where_it_applies():
     """iqn_features with the kernel selected: a float32 head with Q and H powers of two runs its
     backward through the kernel (and gives the reference's gradients); Q = 3 or bf16 matmuls
     keep XLA; a direct call with other shapes is refused with the shapes named."""
-    from helpers import all_eqns
+    from helpers import pallas_kernel_names
 
     from jdqn.networks.heads import iqn_features
     from jdqn.pallas import modulation
@@ -481,9 +480,7 @@ def test_modulation_kernel_is_taken_only_where_it_applies():
     def kernels(q, dtype, use):
         args = _iqn_args(6, q, 16, 4, 8, 5)
         fn = jax.grad(lambda *a: jnp.sum(iqn_features(*a, dtype, use) ** 2), argnums=(0, 2, 3))
-        names = [str(e.params.get("name") or e.params.get("name_and_src_info"))  # JAX versions
-                 for e in all_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
-                 if e.primitive.name == "pallas_call"]
+        names = pallas_kernel_names(jax.make_jaxpr(fn)(*args).jaxpr)
         return names, fn(*args)
 
     names, grads = kernels(4, "float32", True)

@@ -186,6 +186,12 @@ def cosine_embedding(taus: Array, n_basis: int) -> Array:
     return jnp.cos(jnp.pi * i * taus[..., None])
 
 
+def _modulation_applies(h: Array, pre: Array) -> bool:
+    from jdqn.pallas import modulation  # (only when asked: it imports Pallas)
+
+    return h.dtype == jnp.float32 and modulation.eligible(pre)
+
+
 def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array, w2: Array,
                  b2: Array, matmul_dtype: str, modulation_kernel: bool = False) -> Array:
     """The IQN head's dense stack, plain JAX (the reference of the fused kernel
@@ -197,9 +203,9 @@ def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Arr
     md = matmul_dtype
     emb = cosine_embedding(taus.astype(wide_dtype(md, h)), we.shape[0])  # [B, Q, M]
     pre = matmul(emb, we, md, act_dtype(md, emb))  # [B, Q, H]
-    if modulation_kernel:
+    if modulation_kernel and _modulation_applies(h, pre):
         from jdqn.pallas import modulation
-    if modulation_kernel and modulation.eligible(pre) and h.dtype == jnp.float32:
+
         x = modulation.modulate(h, pre, be, jax.default_backend() != "gpu")
     else:
         phi = nn.relu(add_bias(pre, be))
