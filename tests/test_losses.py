@@ -428,6 +428,26 @@ def _dot_batch_sizes(jaxpr) -> list[tuple[int, ...]]:
             for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
+def _dot_pairing(jaxpr) -> list[str]:
+    """Per dot_general: "batched" (a batch dimension of 2: one matmul per network of the pair),
+    "shared lhs" (no batch dimension, the rhs a stack of two weights whose leading axis is a
+    free dimension: one matmul of a shared input against both networks' weights), or "single"
+    (a plain matmul)."""
+    kinds = []
+    for e in all_eqns(jaxpr):
+        if e.primitive.name != "dot_general":
+            continue
+        (_, rc), (lb, rb) = e.params["dimension_numbers"]
+        rhs = e.invars[1].aval.shape
+        if tuple(e.invars[0].aval.shape[d] for d in lb) == (2,):
+            kinds.append("batched")
+        elif not rb and 0 not in rc and rhs[0] == 2 and len(rhs) == 3:
+            kinds.append("shared lhs")
+        else:
+            kinds.append("single")
+    return kinds
+
+
 def test_next_state_forwards_is_both_networks_in_one_batched_pass(online, target):
     """The twin forward at s′ equals two separate forwards (online without IQN, target with
     its quantiles at τ′), and every matmul of trunk and C51 heads runs once, batched over the
@@ -444,15 +464,24 @@ def test_next_state_forwards_is_both_networks_in_one_batched_pass(online, target
     # not the same network twice: the two outputs differ
     assert not np.allclose(online_next.q[0], tgt.q[0])
 
-    # Structure: the network's own matmuls are unbatched, so in the twin program every trunk and
-    # head matmul carries the pair's batch dimension (s′ is broadcast to both networks) and the
-    # IQN head's (the last dots of a forward with taus) carry none.
-    one = _dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs))(online).jaxpr)
-    twin = _dot_batch_sizes(jax.make_jaxpr(fn)(online, target, next_obs, taus).jaxpr)
-    iqn = (_dot_batch_sizes(jax.make_jaxpr(lambda p: NET.apply(p, next_obs, taus))(
-        online).jaxpr))[len(one):]
-    assert one and all(b == () for b in one) and iqn
-    assert sorted(twin) == sorted([(2,)] * len(one) + [()] * len(iqn))
+    # Structure: the network's own matmuls are plain, so in the twin program every trunk and
+    # head matmul runs once for the pair: the ones reading s′ itself (the trunk's input layer,
+    # the MoE gate's first layer) as s′ against both weights side by side (s′ is not
+    # broadcast), the rest batched over the two networks; the IQN head's (the last dots of a
+    # forward with taus) run alone.
+    one_jaxpr = jax.make_jaxpr(NET.apply)(online, next_obs).jaxpr
+    one = _dot_pairing(one_jaxpr)
+    reads_obs = sum(e.invars[0] is one_jaxpr.invars[-1] for e in all_eqns(one_jaxpr)
+                    if e.primitive.name == "dot_general")
+    twin_jaxpr = jax.make_jaxpr(fn)(online, target, next_obs, taus).jaxpr
+    twin = _dot_pairing(twin_jaxpr)
+    iqn = _dot_pairing(jax.make_jaxpr(lambda p: NET.apply(p, next_obs, taus))(
+        online).jaxpr)[len(one):]
+    assert one and set(one) == {"single"} and iqn and reads_obs == 2
+    assert sorted(twin) == sorted(["shared lhs"] * reads_obs + ["batched"] * (len(one) - reads_obs)
+                                  + ["single"] * len(iqn))
+    assert not any(e.primitive.name == "broadcast_in_dim" and e.invars[0] is twin_jaxpr.invars[-2]
+                   for e in all_eqns(twin_jaxpr))
     # twin=False: the two passes, the same outputs
     two = jax.jit(functools.partial(next_state_forwards, NET, twin=False))(
         online, target, next_obs, taus)

@@ -78,12 +78,14 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     with IQN quantiles at ``taus_prime`` (when given), the online one's without.
 
     ``twin=True``: both read the same s′, so they run as **one** forward vmapped over the two
-    parameter trees stacked on a leading axis — every trunk and C51-head matmul is one batched
-    matmul over both networks instead of two — and the target's IQN head then runs alone on
-    the target's trunk features. ``twin=False``: two ``net.apply`` calls. The same function
-    either way, to rounding (tested). :func:`total_loss` takes the twin pass for float32
-    matmuls, where it was measured faster, and two passes for bf16, where it was not (H200,
-    update at B = 16384: float32 3.50–3.55 vs 3.62–3.68 ms; bf16 2.32 vs 2.29–2.30 ms;
+    parameter trees stacked on a leading axis, s′ shared (not broadcast) — every trunk and
+    C51-head matmul is one matmul for both networks instead of two (batched over the pair, or,
+    where it reads s′ itself, s′ against both weights side by side) — and the target's IQN head
+    then runs alone on the target's trunk features. ``twin=False``: two ``net.apply`` calls.
+    The same function either way, to rounding (tested). :func:`total_loss` takes the twin pass
+    for float32 matmuls, where it was measured faster, and two passes for bf16, where it was
+    not (H200, update at B = 16384: float32 3.50–3.55 vs 3.62–3.68 ms, 3.49–3.50 with s′ shared
+    rather than broadcast; bf16 2.32 vs 2.29–2.30 ms;
     ``docs/model.md``).
     """
     params, target_params = jax.lax.stop_gradient((params, target_params))
@@ -91,7 +93,9 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
         return (net.apply(params, next_obs),
                 net.apply(target_params, next_obs, taus_prime, grad_free=True))
     pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
-    both = jax.vmap(net.apply)(pair, jnp.broadcast_to(next_obs, (2, *next_obs.shape)))
+    # s′ shared, not broadcast: each matmul reading s′ itself (the trunk's input layer, the MoE
+    # gate's first layer) becomes one matmul against both networks' weights side by side
+    both = jax.vmap(net.apply, in_axes=(0, None))(pair, next_obs)
     online_next = jax.tree.map(lambda x: x[0], both)
     target = jax.tree.map(lambda x: x[1], both)
     if taus_prime is not None:
