@@ -93,8 +93,8 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
         return (net.apply(params, next_obs),
                 net.apply(target_params, next_obs, taus_prime, grad_free=True))
     pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
-    # s′ shared, not broadcast: each matmul reading s′ itself (the trunk's input layer, the MoE
-    # gate's first layer) becomes one matmul against both networks' weights side by side
+    # s′ shared, not broadcast: each matmul reading s′ itself (the variable-selection layer, the
+    # MoE gate's first layer) becomes one matmul against both networks' weights side by side
     both = jax.vmap(net.apply, in_axes=(0, None))(pair, next_obs)
     online_next = jax.tree.map(lambda x: x[0], both)
     target = jax.tree.map(lambda x: x[1], both)
