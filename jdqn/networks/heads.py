@@ -128,6 +128,7 @@ class DuelingBranchingHead(nn.Module):
     v_max: float
     flow_idx: tuple[int, ...] = ()
     matmul_dtype: str = "float32"
+    impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
 
     @nn.compact
     def __call__(self, h: Array, obs: Array) -> tuple[Array, ...]:
@@ -147,14 +148,14 @@ class DuelingBranchingHead(nn.Module):
         # First layers of all five streams on h: one matmul.
         w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
         b1 = jnp.concatenate([fc[s][1] for s in streams])
-        pre = add_bias(matmul(h, w1, md, act), b1)
+        pre = add_bias(matmul(h, w1, md, act), b1, self.impl)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
         def second(s: str, x: Array, a: int = 0) -> Array:  # accumulates and returns `wide`
             w, bias = out[s]
             if a:  # an advantage stream: centred over its A_d actions (the dueling form)
                 w, bias = centre_actions(w, bias, a)
-            return add_bias(matmul(nn.relu(x), w, md, wide), bias)
+            return add_bias(matmul(nn.relu(x), w, md, wide), bias, self.impl)
 
         def logits(d: int, x: Array) -> Array:
             a = self.branch_sizes[d]
@@ -193,13 +194,15 @@ def _modulation_applies(h: Array, pre: Array) -> bool:
 
 
 def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array, w2: Array,
-                 b2: Array, matmul_dtype: str, modulation_kernel: bool = False) -> Array:
+                 b2: Array, matmul_dtype: str, modulation_kernel: bool = False,
+                 impl: str = "xla") -> Array:
     """The IQN head's dense stack, plain JAX (the reference of the fused kernel
     :mod:`jdqn.pallas.iqn`): ``out[b, q] = W2·relu(W1·(h_b ⊙ relu(We·cos(π i τ_bq) + be)) + b1)
     + b2``. h [B, H], taus [B, Q] → [B, Q, O] (float32, or the input dtype), under the precision
     policy of :mod:`jdqn.networks.trunk`. ``modulation_kernel``: the τ modulation
     ``h ⊙ relu(·)``'s backward pass runs as one Pallas kernel (:mod:`jdqn.pallas.modulation`)
-    where it applies (float32, Q and H powers of two); the values are the same either way."""
+    where it applies (float32, Q and H powers of two); the values are the same either way.
+    ``impl`` selects how the bias gradients are reduced (:func:`jdqn.networks.trunk.add_bias`)."""
     md = matmul_dtype
     emb = cosine_embedding(taus.astype(wide_dtype(md, h)), we.shape[0])  # [B, Q, M]
     pre = matmul(emb, we, md, act_dtype(md, emb))  # [B, Q, H]
@@ -208,10 +211,10 @@ def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Arr
 
         x = modulation.modulate(h, pre, be, jax.default_backend() != "gpu")
     else:
-        phi = nn.relu(add_bias(pre, be))
+        phi = nn.relu(add_bias(pre, be, impl))
         x = mul_f32(h[:, None, :], phi, phi.dtype)  # dh sums over Q in float32
-    hid = nn.relu(add_bias(matmul(x, w1, md, act_dtype(md, x)), b1))
-    return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2)  # [B, Q, O]
+    hid = nn.relu(add_bias(matmul(x, w1, md, act_dtype(md, x)), b1, impl))
+    return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2, impl)  # [B, Q, O]
 
 
 class IQNHead(nn.Module):
@@ -236,6 +239,7 @@ class IQNHead(nn.Module):
     matmul_dtype: str = "float32"
     fused: bool = False
     modulation_kernel: bool = False  # see iqn_features
+    impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
@@ -257,7 +261,7 @@ class IQNHead(nn.Module):
                                       jax.default_backend() != "gpu")
         else:
             out = iqn_features(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
-                               self.modulation_kernel)
+                               self.modulation_kernel, self.impl)
         value, adv = out[..., :1], out[..., 1:]  # [B, Q, 1+ΣA]
         result, start = [], 0
         for a in self.branch_sizes:

@@ -55,7 +55,7 @@ def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
     """The IQN head of ``c``; its fused kernel where no gradient is taken and ``c.impl`` says so."""
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
                    grad_free and use_pallas(c.impl, "iqn"),
-                   use_pallas(c.impl, "iqn_modulation"), **kw)
+                   use_pallas(c.impl, "iqn_modulation"), c.impl, **kw)
 
 
 class BranchingQNetwork(nn.Module):
@@ -84,7 +84,7 @@ class BranchingQNetwork(nn.Module):
                       c.matmul_dtype, c.impl, name="trunk")(obs)
         logits = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
                                       c.v_max, tuple(self.flow_idx), c.matmul_dtype,
-                                      name="c51")(trunk.h, obs)
+                                      c.impl, name="c51")(trunk.h, obs)
         support = make_support(c.v_min, c.v_max, c.n_atoms, dtype=logits[0].dtype)
         quantiles = None
         if taus is not None:

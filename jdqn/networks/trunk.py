@@ -78,11 +78,18 @@ def matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Arra
     return jnp.dot(x, w.astype(x.dtype))
 
 
-def add_bias(y: Array, bias: Array) -> Array:
+def add_bias(y: Array, bias: Array, impl: str = "xla") -> Array:
     """``y + bias`` in ``y``'s dtype. For a bf16 ``y`` the add runs in float32 and rounds once:
     the bias keeps its precision and, more importantly, its gradient — a sum of B cotangents —
     is reduced in float32 (a bf16 sum over 16384 rows loses ~3 % of it). The converts fuse
-    into the elementwise kernel that reads ``y``, so nothing extra is stored."""
+    into the elementwise kernel that reads ``y``, so nothing extra is stored.
+
+    ``impl`` (``ModelConfig.impl``) selecting the ``"reductions"`` kernel: the same values, and
+    the bias gradient is summed in the fixed tree order of :mod:`jdqn.pallas.reduce`."""
+    if use_pallas(impl, "reductions"):
+        from jdqn.pallas import reduce
+
+        return reduce.add_bias(y, bias, jax.default_backend() != "gpu")
     if y.dtype == jnp.bfloat16:
         return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
     return y + bias.astype(y.dtype)
@@ -97,14 +104,15 @@ def mul_f32(a: Array, b: Array, out_dtype: Any) -> Array:
 
 
 def dense(x: Array, features: int, matmul_dtype: str, name: str,
-          kernel_init: Any = _LECUN_NORMAL, wide: bool = False) -> Array:
+          kernel_init: Any = _LECUN_NORMAL, wide: bool = False, impl: str = "xla") -> Array:
     """A dense layer under the precision policy (call inside a ``@nn.compact`` method). Params
     land at ``<name>/kernel`` and ``<name>/bias`` with ``nn.Dense``'s initialisation. The result
     is stored as an activation (bf16 under bf16 matmuls) or, with ``wide=True``, in float32
-    (outputs a loss or a softmax reads); the bias is added as in :func:`add_bias`."""
+    (outputs a loss or a softmax reads); the bias is added as in :func:`add_bias` (``impl``:
+    see there)."""
     kernel, bias = DenseParams(x.shape[-1], features, kernel_init, name=name)()
     out = wide_dtype(matmul_dtype, x) if wide else act_dtype(matmul_dtype, x)
-    return add_bias(matmul(x, kernel, matmul_dtype, out), bias)
+    return add_bias(matmul(x, kernel, matmul_dtype, out), bias, impl)
 
 
 class GRNBlock(nn.Module):
@@ -116,12 +124,14 @@ class GRNBlock(nn.Module):
 
     width: int
     matmul_dtype: str = "float32"
+    impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        eta2 = nn.elu(dense(x, self.width, self.matmul_dtype, "fc_elu"))
-        eta1 = dense(eta2, self.width, self.matmul_dtype, "fc")
-        gate_and_value = dense(eta1, 2 * self.width, self.matmul_dtype, "glu")
+        md, impl = self.matmul_dtype, self.impl
+        eta2 = nn.elu(dense(x, self.width, md, "fc_elu", impl=impl))
+        eta1 = dense(eta2, self.width, md, "fc", impl=impl)
+        gate_and_value = dense(eta1, 2 * self.width, md, "glu", impl=impl)
         gate, value = jnp.split(gate_and_value, 2, axis=-1)
         return nn.LayerNorm(dtype=compute_dtype(self.matmul_dtype), param_dtype=jnp.float32,
                             name="norm")(x + nn.sigmoid(gate) * value)
@@ -136,10 +146,12 @@ class VariableSelection(nn.Module):
     """
 
     matmul_dtype: str = "float32"
+    impl: str = "xla"  # ModelConfig.impl (the bias gradient's reduction, see add_bias)
 
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
-        weights = nn.sigmoid(dense(obs, obs.shape[-1], self.matmul_dtype, "select"))
+        weights = nn.sigmoid(dense(obs, obs.shape[-1], self.matmul_dtype, "select",
+                                   impl=self.impl))
         return obs.astype(weights.dtype) * weights, weights.astype(
             wide_dtype(self.matmul_dtype, obs))
 
@@ -208,13 +220,15 @@ class MixtureOfExperts(nn.Module):
         w1, b1 = ExpertWeights(k, h_dim, e, name="experts_in")()
         w2, b2 = ExpertWeights(k, e, h_dim, name="experts_out")()
 
-        g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc"))
+        g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc",
+                                 impl=self.impl))
         gate_logits = dense(g_hidden, k, self.matmul_dtype, "gate_out",
-                            kernel_init=nn.initializers.zeros, wide=True)
+                            kernel_init=nn.initializers.zeros, wide=True, impl=self.impl)
         gate = jax.nn.softmax(gate_logits, axis=-1)
 
         md, act = self.matmul_dtype, act_dtype(self.matmul_dtype, x)
-        hidden = nn.relu(add_bias(_einsum("bh,khe->bke", x, w1, md, act), b1))  # [B, K, E]
+        hidden = nn.relu(add_bias(_einsum("bh,khe->bke", x, w1, md, act), b1,
+                                  self.impl))  # [B, K, E]
         if md == "float32" and x.dtype == jnp.float32 and use_pallas(self.impl, "moe"):
             from jdqn.pallas.moe import moe_mixture_pallas  # the same function, fused
 
@@ -265,10 +279,10 @@ class Trunk(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array) -> TrunkOutput:
-        x, selection = VariableSelection(self.matmul_dtype, name="selection")(obs)
-        h = dense(x, self.width, self.matmul_dtype, "proj")
+        x, selection = VariableSelection(self.matmul_dtype, self.impl, name="selection")(obs)
+        h = dense(x, self.width, self.matmul_dtype, "proj", impl=self.impl)
         for i in range(self.n_grn_blocks):
-            h = GRNBlock(self.width, self.matmul_dtype, name=f"grn_{i}")(h)
+            h = GRNBlock(self.width, self.matmul_dtype, self.impl, name=f"grn_{i}")(h)
         moe = MixtureOfExperts(self.n_experts, self.expert_hidden, self.gate_hidden,
                                self.matmul_dtype, self.impl, name="moe")(h, obs)
         return TrunkOutput(h=moe.h, gate=moe.gate, selection=selection)
