@@ -35,9 +35,11 @@ on the GPU and bitwise repeatable at every shape and tile; at the default tile 1
 25.5 µs, ``[131072, 128]`` 67.5 vs 65.2, ``[16384, 51]`` 23.3 vs 14.4), and more accurate
 than a running sum (pairwise). In the update (``train_h200_f32_tree_sum_bias.json`` against
 ``train_h200_f32_tree_sum_session_base.json``, one machine session): **3.76 vs 3.56 ms** float32
-and 2.46 vs 2.35 ms bf16 — slower; likely (not profiled with the kernel in) because XLA fuses
-each bias sum with the elementwise backward that produces its cotangent, so a separate kernel
-adds a launch and a read per layer. So ``impl = "pallas"`` selects it and ``"auto"`` does not
+and 2.46 vs 2.35 ms bf16 — slower. The serial-graph profiles
+(``profile_h200_f32_tree_sum_{bias,session_base}.json``: 4.32 vs 4.20 ms) show why: XLA's
+reductions fall by 0.48 ms, but the tree-sum levels take 0.23 ms and XLA's elementwise fusions
+grow by 0.45 ms — XLA had computed each bias sum in the same fusion as the elementwise backward
+that produces its cotangent, which a separate reduction kernel splits in two. So ``impl = "pallas"`` selects it and ``"auto"`` does not
 (:data:`jdqn.pallas.GPU_VALIDATED`). XLA's program is bitwise repeatable on the H200 without it
 (``docs/training.md``, "Determinism"); the kernel's value is an order that is fixed by
 construction and the same on every backend, for the bias sums it covers.
