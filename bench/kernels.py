@@ -253,40 +253,51 @@ def bench_modulation(b: int, reps: int, tiles: list[tuple[int, int]], q: int = 8
 
 # Bias-gradient reductions of the default model's update at B = 16384 (rows, columns): the
 # variable selection, trunk width, GLU, experts' hidden layer, MoE gate, the heads' joint first
-# layer and their output layers, and the IQN head's two dense layers over B·Q rows.
+# layer and their output layers, and the IQN head's three dense layers over B·Q rows (the τ
+# embedding's, [131072, 256], unless the modulation kernel reduces it).
 REDUCE_SHAPES = ((16384, 128), (16384, 256), (16384, 512), (16384, 64), (16384, 8),
-                 (16384, 640), (16384, 51), (16384, 204), (16384, 153), (131072, 128),
-                 (131072, 14))
+                 (16384, 640), (16384, 51), (16384, 204), (16384, 153), (131072, 256),
+                 (131072, 128), (131072, 14))
 
 
-def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384) -> dict:
+def _bits(a: np.ndarray) -> np.ndarray:
+    """The bit patterns of a float array (so ±0 and NaN payloads count as different)."""
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
+                 dtype: str = "float32", interpret: bool = False) -> dict:
     """The deterministic tree sum (``jdqn.pallas.reduce``) against XLA's ``jnp.sum`` over the
     rows, at each bias gradient's shape of the default model's update (``REDUCE_SHAPES``, rows
     scaled by ``b / 16384``), over tiles (rows, cols, warps; the rows set the tree, so each rows
-    value has its own reference). Per row: µs, the error against a float64 sum (relative to
-    Σ|x|), whether the kernel is bitwise its plain-JAX reference (run by XLA on the same
-    device) and bitwise repeatable. Both read a materialised input (an optimisation barrier,
-    as a cotangent the matmuls also read is in the update)."""
+    value has its own reference), for float32 or bf16 inputs (bf16 cotangents, summed in
+    float32). Per row: µs, the error against a float64 sum (relative to Σ|x|), whether the
+    kernel is bitwise (bit patterns) its plain-JAX reference run by XLA on the same device, and
+    bitwise repeatable. Both read a materialised input (an optimisation barrier, as a cotangent
+    the matmuls also read is in the update). ``interpret``: run the kernel rows in Pallas'
+    interpreter (off the GPU; for tests — the times then mean nothing)."""
     from jdqn.pallas import reduce
 
     results = {}
     for m, n in REDUCE_SHAPES:
         m = max(1, m * b // 16384)
-        x = jax.random.normal(jax.random.key(m + n), (m, n)) * jnp.exp(
-            jax.random.uniform(jax.random.key(n), (m, n), minval=-4, maxval=4))
-        x64 = np.asarray(x, np.float64)
+        x = (jax.random.normal(jax.random.key(m + n), (m, n)) * jnp.exp(
+            jax.random.uniform(jax.random.key(n), (m, n), minval=-4, maxval=4))).astype(dtype)
+        x64 = np.asarray(x.astype(jnp.float32), np.float64)
         exact, scale = x64.sum(0), np.abs(x64).sum(0)
         fns = {"xla_sum": lambda a: jnp.sum(jax.lax.optimization_barrier(a), axis=0)}
         refs = {}
         for rows, cols, warps in tiles:
             fns[f"pallas_r{rows}_c{cols}_w{warps}"] = (
                 lambda a, rows=rows, cols=cols, warps=warps: reduce.tree_sum(
-                    jax.lax.optimization_barrier(a), rows=rows, cols=cols, num_warps=warps))
+                    jax.lax.optimization_barrier(a), interpret, rows=rows, cols=cols,
+                    num_warps=warps))
             refs[rows] = np.asarray(jax.jit(lambda a, rows=rows: reduce.tree_sum_reference(
                 a, rows))(x))
         row = {}
         for name, fn in fns.items():
-            if name.startswith("pallas") and jax.default_backend() != "gpu":
+            if (name.startswith("pallas") and jax.default_backend() != "gpu"
+                    and not interpret):
                 row[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
                 continue
             try:
@@ -294,10 +305,10 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384) -
                 a, a2 = (np.asarray(jax.block_until_ready(one(x))) for _ in range(2))
                 r = {"us": round(1e6 * seconds_per_call(fn, (x,), reps), 1),
                      "max_err_over_abs_sum": float(np.max(np.abs(a - exact) / scale)),
-                     "bitwise_repeat": bool(np.array_equal(a, a2))}
+                     "bitwise_repeat": bool(np.array_equal(_bits(a), _bits(a2)))}
                 if name.startswith("pallas"):
                     rows = int(name.split("_r")[1].split("_")[0])
-                    r["bitwise_reference"] = bool(np.array_equal(a, refs[rows]))
+                    r["bitwise_reference"] = bool(np.array_equal(_bits(a), _bits(refs[rows])))
                 row[name] = r
             except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -319,8 +330,12 @@ def main() -> None:
                     help="MoE kernel tiles to time: rows/h_chunk/bwd_rows/num_warps, comma-separated")
     ap.add_argument("--modulation-tiles", default="4/4,8/8,2/4,8/4,16/8",
                     help="modulation kernel tiles to time: rows/num_warps, comma-separated")
-    ap.add_argument("--reduce-tiles", default="32/256/4,32/128/4,16/256/4,64/256/8",
+    ap.add_argument("--reduce-tiles", default="32/128/4,32/256/4,16/128/4,64/128/8",
                     help="tree-sum tiles to time: rows/cols/num_warps, comma-separated")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="--kernel reduce: the summed array's dtype")
+    ap.add_argument("--interpret", action="store_true",
+                    help="--kernel reduce: run the kernel in Pallas' interpreter (tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -346,9 +361,11 @@ def main() -> None:
         return
     if args.kernel == "reduce":
         print(json.dumps({"bench": "kernels", "kernel": "reduce",
+                          "dtype": args.dtype, "interpret": args.interpret,
                           "results": bench_reduce(args.reps, [
                               tuple(int(v) for v in t.split("/"))
-                              for t in args.reduce_tiles.split(",")], b), **meta}))
+                              for t in args.reduce_tiles.split(",")], b, args.dtype,
+                              args.interpret), **meta}))
         return
     if args.kernel == "c51_loss":
         print(json.dumps({"bench": "kernels", "kernel": "c51_loss",

@@ -298,7 +298,9 @@ def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypat
     real = iqn_module.iqn_features_pallas
     monkeypatch.setattr(iqn_module, "iqn_features_pallas",
                         lambda *a: calls.append(a[0].shape) or real(*a))
-    # The trunk's MoE kernel off: the online quantiles are then bitwise the XLA network's.
+    # The kernels trunk.use_pallas decides off — the MoE mixture and the tree-sum bias
+    # gradients of every dense layer (trunk.add_bias): the online quantiles are then bitwise
+    # the XLA network's.
     monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: False)
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8)
@@ -328,7 +330,9 @@ def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkey
 
     from jdqn.networks import trunk as trunk_module
 
-    monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: False)  # MoE off
+    # the MoE mixture and the tree-sum bias gradients off (trunk.use_pallas decides both):
+    # the modulation kernel is then the only one
+    monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: False)
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4)
     obs = jax.random.normal(jax.random.key(1), (9, 24))

@@ -17,6 +17,13 @@ from jdqn.networks import trunk
 from jdqn.networks.model import BranchingQNetwork, init_params
 from jdqn.pallas import reduce
 
+
+def _bits(a) -> np.ndarray:
+    """Bit patterns, so the comparisons tell +0 from −0."""
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
 SHAPES = [(1, 3), (2, 1), (3, 5), (31, 7), (32, 256), (33, 257), (1000, 51), (2049, 204),
           (77, 640)]
 
@@ -34,7 +41,7 @@ def test_kernel_is_bitwise_its_reference_and_close_to_the_exact_sum(m, n):
     got = reduce.tree_sum(x, interpret=True)
     want = reduce.tree_sum_reference(x)
     assert got.shape == (n,) and got.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
     exact = np.sum(np.asarray(x, np.float64), axis=0)
     # a pairwise sum: error ≲ depth · eps · Σ|x|
     bound = (np.ceil(np.log2(max(m, 2))) + 1) * 2**-23 * np.sum(np.abs(np.asarray(x, np.float64)),
@@ -45,9 +52,10 @@ def test_kernel_is_bitwise_its_reference_and_close_to_the_exact_sum(m, n):
 @pytest.mark.parametrize("rows,cols", [(2, 1), (4, 8), (8, 64), (64, 128)])
 def test_tiling_never_changes_the_result_and_rows_set_the_order(rows, cols):
     x = _x(300, 70, seed=rows + cols)
-    base = reduce.tree_sum(x, interpret=True, rows=rows)
-    np.testing.assert_array_equal(reduce.tree_sum(x, interpret=True, rows=rows, cols=cols), base)
-    np.testing.assert_array_equal(reduce.tree_sum_reference(x, rows=rows), base)
+    base = _bits(reduce.tree_sum(x, interpret=True, rows=rows))
+    np.testing.assert_array_equal(
+        _bits(reduce.tree_sum(x, interpret=True, rows=rows, cols=cols)), base)
+    np.testing.assert_array_equal(_bits(reduce.tree_sum_reference(x, rows=rows)), base)
 
 
 def test_the_order_is_the_documented_halving_tree():
@@ -59,33 +67,62 @@ def test_the_order_is_the_documented_halving_tree():
     assert float(reduce.tree_sum_reference(x, rows=4)[0]) == 2.0
     # rows = 2 makes two levels: (x0 + x1), (x2 + x3), then their sum: 1e8 + (1 − 1e8) = 0
     assert float(reduce.tree_sum(x, interpret=True, rows=2)[0]) == 0.0
-    # a second level: 2 blocks of 4 rows, then the two block sums
-    y = jnp.concatenate([x, -x * 0.5], axis=0)
-    assert float(reduce.tree_sum(y, interpret=True, rows=4)[0]) == 2.0 - 1.0
+    # Two levels against one: with rows = 4, blocks (1e8 + 1) + (1 + 1) → 1e8 and
+    # (−1e8 + 0) + (0 + 0), then their sum, 0; with rows = 8, one block: (1e8 − 1e8) + (1 + 0)
+    # + (1 + 0) + (1 + 0) in halving order, 3.
+    y = jnp.asarray([[1e8], [1.0], [1.0], [1.0], [-1e8], [0.0], [0.0], [0.0]], jnp.float32)
+    for rows, want in ((4, 0.0), (8, 3.0)):
+        assert float(reduce.tree_sum(y, interpret=True, rows=rows)[0]) == want
+        assert float(reduce.tree_sum_reference(y, rows=rows)[0]) == want
+    # a partial last block is completed with zero rows: 5 rows, rows = 4 → blocks
+    # [1e8, 1, -1e8, 1] (sum 2) and [3, 0, 0, 0] (sum 3)
+    z = jnp.asarray([[1e8], [1.0], [-1e8], [1.0], [3.0]], jnp.float32)
+    assert float(reduce.tree_sum(z, interpret=True, rows=4)[0]) == 5.0
 
 
-def test_repeatable_under_jit_and_vmap_and_for_other_dtypes():
+def test_the_same_under_jit_and_vmap_and_for_other_dtypes():
     x = _x(513, 33, seed=5)
     f = jax.jit(lambda a: reduce.tree_sum(a, interpret=True))
-    np.testing.assert_array_equal(f(x), f(x))
+    np.testing.assert_array_equal(_bits(f(x)), _bits(reduce.tree_sum_reference(x)))
     xs = jnp.stack([x, 2 * x, -x])
     got = jax.vmap(lambda a: reduce.tree_sum(a, interpret=True))(xs)
     for i in range(3):
-        np.testing.assert_array_equal(got[i], reduce.tree_sum_reference(xs[i]))
+        np.testing.assert_array_equal(_bits(got[i]), _bits(reduce.tree_sum_reference(xs[i])))
     xb = x.astype(jnp.bfloat16)  # summed in float32
     out = reduce.tree_sum(xb, interpret=True)
     assert out.dtype == jnp.float32
-    np.testing.assert_array_equal(out, reduce.tree_sum_reference(xb))
+    np.testing.assert_array_equal(_bits(out), _bits(reduce.tree_sum_reference(xb)))
     with x64():
         xd = jnp.asarray(np.asarray(x, np.float64))
         out = reduce.tree_sum(xd, interpret=True)
         assert out.dtype == jnp.float64
-        np.testing.assert_array_equal(out, reduce.tree_sum_reference(xd))
+        np.testing.assert_array_equal(_bits(out), _bits(reduce.tree_sum_reference(xd)))
+
+
+def test_tree_sum_is_differentiable_in_reverse_mode():
+    x = _x(70, 9, seed=3)
+    w = jnp.arange(9.0)
+    g = jax.grad(lambda a: jnp.sum(w * reduce.tree_sum(a, interpret=True)))(x)
+    np.testing.assert_array_equal(g, jnp.broadcast_to(w, x.shape))
+    # a gradient of a gradient through the tree-sum bias add
+    y, bias = _x(6, 4, seed=4), jnp.ones(4)
+
+    def inner(b):
+        return jnp.sum(jnp.sin(reduce.add_bias(y, b, True)))
+
+    outer = jax.grad(lambda b: jnp.sum(jax.grad(inner)(b) ** 2))(bias)
+    want = jax.grad(lambda b: jnp.sum(jax.grad(
+        lambda c: jnp.sum(jnp.sin(trunk.add_bias(y, c))))(b) ** 2))(bias)
+    np.testing.assert_allclose(outer, want, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_and_bad_inputs():
-    assert reduce.tree_sum(jnp.zeros((0, 4)), interpret=True).shape == (4,)
-    assert reduce.tree_sum(jnp.zeros((5, 0)), interpret=True).shape == (0,)
+    for shape, n in (((0, 4), 4), ((5, 0), 0)):
+        out = reduce.tree_sum(jnp.zeros(shape), interpret=True)
+        assert out.shape == (n,) and out.dtype == jnp.float32 and not np.any(out)
+        np.testing.assert_array_equal(out, reduce.tree_sum_reference(jnp.zeros(shape)))
+    with pytest.raises(ValueError, match="trailing axes"):
+        reduce.add_bias(jnp.zeros((4, 1)), jnp.zeros(3), True)
     with pytest.raises(ValueError, match="2-D"):
         reduce.tree_sum(jnp.zeros(5), interpret=True)
     with pytest.raises(ValueError, match="float"):
@@ -112,11 +149,13 @@ def test_add_bias_values_are_bitwise_and_its_gradient_is_the_tree_sum(y_shape, b
 
     out_k, dy_k, db_k = run(lambda a, b: reduce.add_bias(a, b, True))
     out_x, dy_x, db_x = run(trunk.add_bias)
-    np.testing.assert_array_equal(out_k, out_x)
+    np.testing.assert_array_equal(_bits(out_k.astype(jnp.float32)),
+                                  _bits(out_x.astype(jnp.float32)))
     np.testing.assert_array_equal(dy_k, dy_x)
     assert db_k.dtype == bias.dtype == db_x.dtype
     flat = g.astype(jnp.float32).reshape(-1, int(np.prod(b_shape)))
-    np.testing.assert_array_equal(db_k, reduce.tree_sum_reference(flat).reshape(b_shape))
+    np.testing.assert_array_equal(_bits(db_k),
+                                  _bits(reduce.tree_sum_reference(flat).reshape(b_shape)))
     np.testing.assert_allclose(db_k, db_x, rtol=1e-5, atol=1e-5)
     # the dispatch: impl = "pallas" takes the kernel, "xla" the plain add
     np.testing.assert_array_equal(trunk.add_bias(y, bias, "pallas"), out_x)

@@ -90,6 +90,12 @@ def add_bias(y: Array, bias: Array, impl: str = "xla") -> Array:
         from jdqn.pallas import reduce
 
         return reduce.add_bias(y, bias, jax.default_backend() != "gpu")
+    return add_bias_values(y, bias)
+
+
+def add_bias_values(y: Array, bias: Array) -> Array:
+    """The operations of :func:`add_bias` (also the forward pass of the tree-sum variant,
+    :func:`jdqn.pallas.reduce.add_bias`, so both give the same bits)."""
     if y.dtype == jnp.bfloat16:
         return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
     return y + bias.astype(y.dtype)

@@ -1,7 +1,7 @@
 """Pallas kernel: deterministic fixed-order tree reductions (SPEC §8, kernel 3).
 
 ``tree_sum(x)`` sums ``x [M, N]`` over its rows, ``[N]`` out, in an order fixed by the shapes
-alone — the same on every run, device and backend:
+alone — not by the device, the tiling or how a compiler splits a reduction:
 
 * **a level** groups the rows in consecutive blocks of ``R`` (``R = min(ROWS, next_pow2(M))``;
   the last block is completed with zero rows) and reduces each block by halving: row ``i`` is
@@ -9,14 +9,18 @@ alone — the same on every run, device and backend:
   ``[M, N]`` into ``[⌈M/R⌉, N]``;
 * **levels repeat** until one row is left (B = 16384: 16384 → 512 → 16 → 1).
 
-Every addition is a float32 addition of two named operands (``x + 0 = x`` exactly for the
-zero rows), so :func:`tree_sum_reference` — the same tree written with ``jnp`` slices — gives
-**bitwise** the kernel's result, in Pallas' interpreter on the CPU and compiled on the GPU
-(tested), and the sum is bitwise repeatable with no atomics and no dependence on how a
-compiler splits a reduction across threads. Its rounding error grows like ``log₂ M`` (a
-pairwise sum), not like ``M`` (a running sum).
+Every addition is a float32 addition of two named operands (the zero rows add nothing, up to
+the sign of a zero sum), so :func:`tree_sum_reference` — the same tree written with ``jnp``
+slices — gives **bitwise** the kernel's result on the same backend: in Pallas' interpreter on
+the CPU (tested, comparing bits) and compiled on the H200 against the reference run by XLA
+there (``bench/kernels.py --kernel reduce``). The sum is bitwise repeatable (no atomics).
+Across backends the same tree gives the same bits except where one flushes subnormals (XLA's
+CPU backend does, the GPU does not by default). Being a pairwise sum, its rounding-error
+bound grows like ``log₂ M`` rather than ``M`` (theory; the tests check that bound, the bench
+measures its error against a float64 sum beside ``jnp.sum``'s).
 
-One program reduces one ``[R, C]`` tile (``C ≤ COLS`` columns, a power of two): it loads the
+One program reduces one ``[R, C]`` tile (``C ≤ COLS`` columns, a power of two; the tile never
+changes the result): it loads the
 tile with a mask (rows ≥ M and columns ≥ N read 0, so neither axis needs padding in memory), adds
 halves with ``jnp.split`` (which Triton lowers for power-of-two parts) and writes one ``[1, C]``
 row of the level's output. Inputs are summed in float32 (float64 ones in float64).
@@ -24,22 +28,30 @@ row of the level's output. Inputs are summed in float32 (float64 ones in float64
 **Where the trainer uses it** (``ModelConfig.impl``, :mod:`jdqn.pallas`): :func:`add_bias`, a
 bias add whose backward pass reduces the bias gradient — the batch sum of the cotangent, the
 reduction in every dense layer — with :func:`tree_sum`. The forward pass is XLA's (the same
-operations as :func:`jdqn.networks.trunk.add_bias`, so the values are bitwise those). The
+operations, :func:`jdqn.networks.trunk.add_bias_values`, so the values are bitwise those). The
 gradient is the same function summed in another order (to float32 rounding; tested).
+:func:`tree_sum` has a custom VJP too (a sum's: the cotangent broadcast over the rows), so a
+gradient of a gradient through :func:`add_bias` works.
 
-Status: measured on the H200 (jax 0.11.2). Alone (``bench/kernels.py --kernel reduce``,
-``bench/results/kernels_h200_reduce.json``), at the eleven bias-gradient shapes of the default
-model's update at B = 16384, four tiles: bitwise equal to :func:`tree_sum_reference` run by XLA
-on the GPU and bitwise repeatable at every shape and tile; at the default tile 16–68 µs against
-13–65 µs for ``jnp.sum`` (both reading a materialised input; e.g. ``[16384, 256]`` 22.7 vs
-25.5 µs, ``[131072, 128]`` 67.5 vs 65.2, ``[16384, 51]`` 23.3 vs 14.4), and more accurate
-than a running sum (pairwise). In the update (``train_h200_f32_tree_sum_bias.json`` against
-``train_h200_f32_tree_sum_session_base.json``, one machine session): **3.76 vs 3.56 ms** float32
-and 2.46 vs 2.35 ms bf16 — slower. The serial-graph profiles
+Status: measured on the H200 (jax 0.11.2). Alone (``bench/kernels.py --kernel reduce``), at
+the twelve bias-gradient shapes of the default model's update at B = 16384, four tiles:
+bitwise equal (bit patterns) to :func:`tree_sum_reference` run by XLA on the GPU and bitwise
+repeatable at every shape and tile, for float32 and bf16 inputs
+(``kernels_h200_reduce_{f32,bf16}_cols128.json``; a first run at 32 × 256 tiles over eleven
+shapes, ``kernels_h200_reduce_f32_cols256.json``, compared values only). Its time: 12.5–116 µs
+per shape at the default tile against 12.1–121 µs for ``jnp.sum`` (both reading a
+materialised input), 439 against 404 µs over all twelve (float32) — from 0.9× to 3× XLA's
+time per shape, the narrow ones (``[131072, 14]``: 38.8 vs 12.9 µs) the slowest; the column
+tile (128 or 256) moved the total by under 5 %, in opposite directions in the two runs. In the
+update, float32, two machine sessions: **3.76 vs 3.56 ms** (``train_h200_f32_tree_sum_bias.json``
+against ``…_session_base.json``, 256 columns) and **3.70 vs 3.50 ms**
+(``train_h200_f32_tree_sum_bias_cols128.json`` against ``…_session_base2.json``); bf16 2.46 vs
+2.35 ms — slower. The serial-graph profiles
 (``profile_h200_f32_tree_sum_{bias,session_base}.json``: 4.32 vs 4.20 ms) show why: XLA's
-reductions fall by 0.48 ms, but the tree-sum levels take 0.23 ms and XLA's elementwise fusions
-grow by 0.45 ms — XLA had computed each bias sum in the same fusion as the elementwise backward
-that produces its cotangent, which a separate reduction kernel splits in two. So ``impl = "pallas"`` selects it and ``"auto"`` does not
+reductions fall by 0.48 ms, but the "other" kernels (the tree-sum levels, beside the projection
+kernel) grow by 0.23 ms and XLA's elementwise fusions by 0.45 ms — XLA had computed each bias
+sum in the same fusion as the elementwise backward that produces its cotangent, which a
+separate reduction kernel splits in two. So ``impl = "pallas"`` selects it and ``"auto"`` does not
 (:data:`jdqn.pallas.GPU_VALIDATED`). XLA's program is bitwise repeatable on the H200 without it
 (``docs/training.md``, "Determinism"); the kernel's value is an order that is fixed by
 construction and the same on every backend, for the bias sums it covers.
@@ -58,7 +70,7 @@ Array = jax.Array
 
 # Rows per block of a level (the halving tree's width: 5 halvings) and the widest column tile
 # of one program; bench/kernels.py --kernel reduce sweeps them.
-ROWS, COLS, NUM_WARPS = 32, 256, 4
+ROWS, COLS, NUM_WARPS = 32, 128, 4
 
 
 def _next_pow2(n: int) -> int:
@@ -154,13 +166,19 @@ def _level(x: Array, rows: int, cols: int, num_warps: int | None, interpret: boo
 
 def tree_sum(x: Array, interpret: bool = False, rows: int = ROWS, cols: int = COLS,
              num_warps: int | None = NUM_WARPS) -> Array:
-    """The sum over the rows of ``x [M, N]`` → float32 ``[N]``, in the fixed tree order of the
-    module docstring, one Pallas kernel per level. Bitwise equal to
-    :func:`tree_sum_reference` with the same ``rows``. ``cols`` (a power of two) only sets the
-    tiling, never the result."""
+    """The sum over the rows of ``x [M, N]`` → float32 ``[N]`` (float64 for float64 input), in
+    the fixed tree order of the module docstring, one Pallas kernel per level. Bitwise equal to
+    :func:`tree_sum_reference` with the same ``rows`` on the same backend. ``cols`` (a power
+    of two) only sets the tiling, never the result. Differentiable in reverse mode."""
     _check(x, rows)
     if cols < 1 or cols & (cols - 1):
         raise ValueError(f"tree_sum: columns per tile must be a power of two, got {cols}")
+    return _tree_sum(x, interpret, rows, cols, num_warps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _tree_sum(x: Array, interpret: bool, rows: int, cols: int,
+              num_warps: int | None) -> Array:
     m, n = x.shape
     if m == 0 or n == 0:
         return jnp.zeros((n,), _acc_dtype(x))
@@ -169,6 +187,18 @@ def tree_sum(x: Array, interpret: bool = False, rows: int = ROWS, cols: int = CO
     while x.shape[0] > 1:
         x = _level(x, rows, cols, num_warps, interpret)
     return x[0]
+
+
+def _tree_sum_fwd(x, interpret, rows, cols, num_warps):
+    # residual: a zero-size array carrying x's shape and dtype
+    return _tree_sum(x, interpret, rows, cols, num_warps), jnp.zeros((x.shape[0], 0), x.dtype)
+
+
+def _tree_sum_bwd(interpret, rows, cols, num_warps, res, g):
+    return (jnp.broadcast_to(g, (res.shape[0], g.shape[0])).astype(res.dtype),)
+
+
+_tree_sum.defvjp(_tree_sum_fwd, _tree_sum_bwd)
 
 
 def sum_leading(g: Array, n_trailing: int, interpret: bool = False) -> Array:
@@ -181,23 +211,30 @@ def sum_leading(g: Array, n_trailing: int, interpret: bool = False) -> Array:
 # ---- the bias add whose gradient is a tree sum --------------------------------------------
 
 
-def _add_bias_fwd_values(y: Array, bias: Array) -> Array:
-    # the same operations as jdqn.networks.trunk.add_bias
-    if y.dtype == jnp.bfloat16:
-        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
-    return y + bias.astype(y.dtype)
+def _add_bias_values(y: Array, bias: Array) -> Array:
+    from jdqn.networks.trunk import add_bias_values  # (no import cycle at module load)
+
+    return add_bias_values(y, bias)
+
+
+def add_bias(y: Array, bias: Array, interpret: bool = False) -> Array:
+    """``y + bias`` (``bias`` matching ``y``'s trailing axes, broadcast over its leading ones),
+    valued exactly as :func:`jdqn.networks.trunk.add_bias`; the bias gradient is
+    :func:`tree_sum` of the cotangent over the leading axes, in float32, cast to the bias
+    dtype."""
+    if bias.ndim > y.ndim or y.shape[y.ndim - bias.ndim:] != bias.shape:
+        raise ValueError(f"add_bias: the bias shape {bias.shape} must be the trailing axes of "
+                         f"y's shape {y.shape}")
+    return _add_bias(y, bias, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def add_bias(y: Array, bias: Array, interpret: bool = False) -> Array:
-    """``y + bias`` (``bias`` broadcast over ``y``'s leading axes), valued exactly as
-    :func:`jdqn.networks.trunk.add_bias`; the bias gradient is :func:`tree_sum` of the
-    cotangent over the leading axes, in float32, cast to the bias dtype."""
-    return _add_bias_fwd_values(y, bias)
+def _add_bias(y: Array, bias: Array, interpret: bool) -> Array:
+    return _add_bias_values(y, bias)
 
 
 def _add_bias_fwd(y, bias, interpret):
-    return _add_bias_fwd_values(y, bias), bias
+    return _add_bias_values(y, bias), bias
 
 
 def _add_bias_bwd(interpret, bias, g):
@@ -205,4 +242,4 @@ def _add_bias_bwd(interpret, bias, g):
     return g, db.astype(bias.dtype)
 
 
-add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
