@@ -66,15 +66,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jdqn.pallas.projection import _next_pow2
+
 Array = jax.Array
 
 # Rows per block of a level (the halving tree's width: 5 halvings) and the widest column tile
 # of one program; bench/kernels.py --kernel reduce sweeps them.
 ROWS, COLS, NUM_WARPS = 32, 128, 4
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _halve(x: Array, axis: int) -> Array:
