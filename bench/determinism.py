@@ -30,6 +30,7 @@ import numpy as np
 
 from jdqn.config import load_config
 from jdqn.train import job as job_lib
+from jdqn.train import parallel, xla_options
 from jdqn.train.epoch import make_epoch_fn
 from jdqn.train.state import seed_keys
 
@@ -79,6 +80,9 @@ def main() -> None:
     print(json.dumps({
         "bench": "determinism", "config": args.config, "sets": args.sets,
         "second_sets": args.second_sets, "gpu_graphs": [cfg.train.gpu_graphs, cfg2.train.gpu_graphs],
+        # what each run's epoch compiled with ("auto" resolved)
+        "gpu_graphs_resolved": [xla_options.resolve(c.train.gpu_graphs) for c in (cfg, cfg2)],
+        "n_seeds": len(cfg.train.seeds), "n_devices": parallel.resolve_n_devices(cfg),
         "epochs": args.epochs,
         "bitwise_identical": d1 == d2, "state_sha256": [d1, d2], "differing_leaves": differing[:20],
         "n_leaves": len(names), "final_loss": [l1, l2],

@@ -39,7 +39,7 @@ import jax
 import train as train_bench
 
 from jdqn.config import apply_overrides, config_from_dict, load_config, to_dict
-from jdqn.train import parallel, xla_options
+from jdqn.train import xla_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,8 +184,7 @@ def main() -> None:
     log_dir = args.trace_dir or tempfile.mkdtemp(prefix="jdqn_trace_")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         jax.block_until_ready(updates(one))
-    graphs = xla_options.resolve(cfg.train.gpu_graphs, len(cfg.train.seeds),
-                                 parallel.resolve_n_devices(cfg))
+    graphs = xla_options.resolve(cfg.train.gpu_graphs)
     out = {"bench": "profile_step", "phase": args.phase,
            "per": "update" if args.phase == "update" else "collection step",
            "batch": args.batch, "n_envs": cfg.env.n_envs, "matmul_dtype": args.dtype,

@@ -76,7 +76,7 @@ def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
     n_chunks = 4 if fill_to == "batch" else max(4, -(-c.replay_capacity // per_chunk))
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices,
-                       gpu_graphs=cfg.train.gpu_graphs, n_seeds=len(cfg.train.seeds))
+                       gpu_graphs=cfg.train.gpu_graphs)
     def fill(st):
         def body(s, _):
             s, chunk, _ = epoch_lib.collect(learner, s, env_params)
@@ -86,7 +86,7 @@ def filled_update_loop(cfg, n_updates: int, fill_to: str = "capacity"):
         return jax.lax.scan(body, st, None, length=n_chunks)[0]
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
-                       gpu_graphs=cfg.train.gpu_graphs, n_seeds=len(cfg.train.seeds))
+                       gpu_graphs=cfg.train.gpu_graphs)
     def updates(st):
         def body(s, _):
             s, m = epoch_lib.train_step(learner, s, env_params, fold)
@@ -115,7 +115,7 @@ def collect_loop(cfg, n_chunks: int = 8):
     learner = p.learner
 
     @functools.partial(parallel.on_devices, n_devices=learner.n_devices, extra_out=P(),
-                       gpu_graphs=cfg.train.gpu_graphs, n_seeds=len(cfg.train.seeds))
+                       gpu_graphs=cfg.train.gpu_graphs)
     def collect(st):
         def body(s, _):
             s, _, stats = epoch_lib.collect(learner, s, env_params)
@@ -204,8 +204,7 @@ def main() -> None:
     base = load_config(args.config, sets + args.sets)
     # what the epoch of this config compiles with; the update loop and collection pieces (one
     # seed's state) are compiled the same way (parallel.on_devices' n_seeds)
-    graphs = xla_options.resolve(base.train.gpu_graphs, len(base.train.seeds),
-                                 parallel.resolve_n_devices(base))
+    graphs = xla_options.resolve(base.train.gpu_graphs)
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else ([256, 1024] if args.quick else [256, 4096, 16384]))
     n_up = 10 if args.quick else args.updates

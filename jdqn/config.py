@@ -280,10 +280,10 @@ class TrainConfig:
     # GPU only: "concurrent" compiles the epoch so that its CUDA graphs run independent kernels
     # side by side and capture whole loops (jdqn/train/xla_options.py); "xla" = XLA's default
     # graphs; "auto" = concurrent (on the H200 the gpu.toml epoch 4.15 s vs 5.00 s, two seeds
-    # 7.45 vs 8.26 s, one seed data-parallel 4.96 vs 5.17 s; +0.45-0.7 GB peak memory) except
-    # for several seeds data-parallel and multi-host runs, not measured: xla there. Same
-    # kernels, other order: bitwise the same state (checked for one and two seeds). Ignored on
-    # CPU.
+    # 7.45 vs 8.26 s, data-parallel on two H200s one seed 4.96 vs 5.17 s and two 8.21 vs
+    # 8.79 s; +0.45-0.7 GB peak memory per seed) except for multi-host runs, not measured: xla
+    # there. Same kernels, other order: bitwise the same state (checked for one and two seeds,
+    # on one GPU and data-parallel on two). Ignored on CPU.
     gpu_graphs: Literal["auto", "concurrent", "xla"] = "auto"
 
 

@@ -674,3 +674,6 @@ def test_default_compile_pipeline_is_deterministic_too(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["bitwise_identical"] and not res["differing_leaves"], res
     assert not any(f in res["xla_flags"] for f in FAST_COMPILE), res["xla_flags"]
+    # what the epochs compiled with: "auto" resolves to concurrent graphs for one seed, one device
+    assert (res["gpu_graphs_resolved"], res["n_seeds"], res["n_devices"]) == (
+        ["concurrent", "concurrent"], 1, 1), res

@@ -454,8 +454,7 @@ def make_epoch_fn(learner: Learner):
             new = select_seeds(active, new, state)
         return new, out
 
-    jitted = xla_options.jit(run, c.gpu_graphs, n_seeds=len(c.seeds),
-                             n_devices=learner.n_devices, donate_argnums=(0,))
+    jitted = xla_options.jit(run, c.gpu_graphs, donate_argnums=(0,))
     if mesh is None:
         return jitted
 

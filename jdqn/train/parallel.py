@@ -201,16 +201,15 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
 
 
 def on_devices(fn: Any, n_devices: int, extra_out: Any = None,
-               gpu_graphs: str = "auto", n_seeds: int = 1) -> Any:
+               gpu_graphs: str = "auto") -> Any:
     """``jax.jit(fn)`` for ``fn(one seed's state) -> state`` or ``-> (state, extra)``; with
     ``n_devices > 1`` under ``shard_map``, the state placed by :func:`state_specs` as the epoch
     places it (``extra`` is laid out by the spec ``extra_out``; ``P()`` returns device 0's).
     For benchmarks and tests that run pieces of the epoch (collect, train_step) alone; compiled
     with the GPU options ``gpu_graphs`` (``train.gpu_graphs``) resolves to for the trainer's
-    epoch of ``n_seeds`` seeds (``len(train.seeds)``) on ``n_devices`` devices, so that a
-    benchmark times the pieces as the epoch compiles them."""
+    epoch, so that a benchmark times the pieces as the epoch compiles them."""
     if n_devices == 1:
-        return xla_options.jit(fn, gpu_graphs, n_seeds=n_seeds, n_devices=1)
+        return xla_options.jit(fn, gpu_graphs)
     mesh = make_mesh(n_devices)
 
     def sharded(st):
@@ -219,7 +218,7 @@ def on_devices(fn: Any, n_devices: int, extra_out: Any = None,
         return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out,
                              check_vma=False)(st)
 
-    return xla_options.jit(sharded, gpu_graphs, n_seeds=n_seeds, n_devices=n_devices)
+    return xla_options.jit(sharded, gpu_graphs)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

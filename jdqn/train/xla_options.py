@@ -9,11 +9,11 @@ On the GPU, XLA records runs of kernels as CUDA graphs ("command buffers"). XLA'
 * ``xla_gpu_enable_command_buffer`` = XLA's default command types plus ``WHILE`` and
   ``CONDITIONAL``: whole loops are captured as graphs too.
 
-``gpu_graphs = "auto"`` (the default) takes "concurrent" for every program shape the H200 measured
-faster that way, and "xla" for those it did not measure (several seeds data-parallel, and any
-multi-host run: the multi-host figures and bitwise checks are XLA's serial graphs)
-(``bench/results/train_h200_gpu_graphs.json``, ``epoch_h200_one_seed.json`` and
-``epoch_h200_seeds_switch.json``; float32 unless said):
+``gpu_graphs = "auto"`` (the default) takes "concurrent" for every program of one process — each
+shape the H200 measured was faster that way — and "xla" for multi-host runs, not measured with
+it (the multi-host figures and bitwise checks are XLA's serial graphs)
+(``bench/results/train_h200_gpu_graphs.json``, ``epoch_h200_one_seed.json``,
+``epoch_h200_seeds_switch.json`` and ``epoch_2xh200_dp_seeds_graphs.json``; float32 unless said):
 
 * one seed (``configs/gpu.toml``): the update at B = 16384 takes 3.72 ms against 4.16 (bf16 2.36
   against 2.79), B = 256 0.63 against 0.86 ms; the epoch (800 updates + 13.1 M env steps)
@@ -28,12 +28,15 @@ multi-host run: the multi-host figures and bitwise checks are XLA's serial graph
   was vmapped too, 6.49 against 5.22 s);
 * one seed data-parallel on two H200s (``configs/multi_gpu.toml``): **4.96 s against 5.17 s**
   per epoch (peak 2.49 against 1.99 GB per device);
-* several seeds data-parallel, and multi-host runs: not measured, so "auto" stays with XLA's
-  graphs.
+* two seeds data-parallel on two H200s (``multi_gpu.toml``, 2026-12-01): **8.21 / 8.24 s against
+  8.79 / 8.76 s** per epoch in two calls of opposite order (peak 4.19 against 3.54 GB per
+  device);
+* multi-host runs: not measured, so "auto" stays with XLA's graphs there.
 
 Each kernel computes what it computed before, only the order of independent kernels changes:
-the final state after two 20-iteration one-seed epochs at ``gpu.toml`` sizes is bitwise
-identical under both settings (data parallel was not compared). The concurrent graphs hold more
+the final state after two 20-iteration epochs is bitwise identical under both settings, at
+``gpu.toml`` sizes (one seed and two) and data-parallel on two H200s at ``multi_gpu.toml`` sizes
+(one seed and two; ``determinism_2xh200_dp_*graphs.json``). The concurrent graphs hold more
 buffers live: +0.45–0.7 GB peak device memory at ``gpu.toml`` sizes. A CUDA graph needs driver memory
 when it is instantiated: with two JAX processes on one GPU (each preallocating 75 % of it) an
 instantiation failed with ``RESOURCE_EXHAUSTED … instantiate command buffer``; give each
@@ -63,19 +66,18 @@ CONCURRENT_GRAPHS: dict[str, str] = {
 SETTINGS = ("auto", "concurrent", "xla")
 
 
-def resolve(gpu_graphs: str, n_seeds: int = 1, n_devices: int = 1,
-            n_processes: int | None = None) -> str:
-    """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` unless the program
-    trains several seeds on several devices or runs in several processes (multi-host; neither
-    measured with concurrent graphs: ``"xla"`` then; see the module's measurements); the others
-    are themselves. ``n_processes`` defaults to ``jax.process_count()``."""
+def resolve(gpu_graphs: str, n_processes: int | None = None) -> str:
+    """The setting a program is compiled with: ``"auto"`` is ``"concurrent"`` unless the job
+    runs in several processes (multi-host, not measured with concurrent graphs: ``"xla"`` then;
+    see the module's measurements); the others are themselves. ``n_processes`` defaults to
+    ``jax.process_count()``."""
     if gpu_graphs not in SETTINGS:
         raise ValueError(f"train.gpu_graphs must be one of {', '.join(map(repr, SETTINGS))}, "
                          f"got {gpu_graphs!r}")
     if gpu_graphs != "auto":
         return gpu_graphs
     n_processes = jax.process_count() if n_processes is None else n_processes
-    if n_processes > 1 or (n_seeds > 1 and n_devices > 1):
+    if n_processes > 1:
         return "xla"
     return "concurrent"
 
@@ -97,10 +99,10 @@ def compiler_options(gpu_graphs: str, backend: str | None = None,
     return opts or None
 
 
-def jit(fn: Any, gpu_graphs: str, *, n_seeds: int, n_devices: int, **kw: Any) -> Any:
-    """``jax.jit(fn, **kw)`` with the :func:`compiler_options` of ``gpu_graphs`` resolved for a
-    program of ``n_seeds`` seeds on ``n_devices`` devices, when there are any."""
-    opts = compiler_options(resolve(gpu_graphs, n_seeds, n_devices))
+def jit(fn: Any, gpu_graphs: str, **kw: Any) -> Any:
+    """``jax.jit(fn, **kw)`` with the :func:`compiler_options` of ``gpu_graphs`` resolved for
+    this process's job, when there are any."""
+    opts = compiler_options(resolve(gpu_graphs))
     if opts:
         kw["compiler_options"] = opts
     return jax.jit(fn, **kw)
