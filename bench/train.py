@@ -203,7 +203,7 @@ def main() -> None:
                  "train.collect_steps=8", "train.updates_per_iter=2", "train.batch_size=1024"]
     base = load_config(args.config, sets + args.sets)
     # what the epoch of this config compiles with; the update loop and collection pieces (one
-    # seed's state) are compiled the same way (parallel.on_devices' n_seeds)
+    # seed's state) are compiled the same way (parallel.on_devices resolves the same setting)
     graphs = xla_options.resolve(base.train.gpu_graphs)
     batches = ([int(b) for b in args.batches.split(",")] if args.batches
                else ([256, 1024] if args.quick else [256, 4096, 16384]))
