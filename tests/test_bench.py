@@ -91,3 +91,66 @@ def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
             # the kernel (here in the interpreter) is bitwise its tree's jnp reference
             assert r.get("bitwise_reference", True), name
         assert "bitwise_reference" in row["pallas_r16_c64_w4"]
+
+
+def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
+    """``collect_dots`` finds the dots of a differentiated program — forward, backward, inside
+    ``scan`` bodies (× length) and under ``vmap`` — and leaves out a Pallas kernel's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import matmul_floor
+
+    def kernel(a_ref, o_ref):
+        o_ref[...] = jnp.dot(a_ref[...], a_ref[...])
+
+    def f(x, w):
+        y = x @ w  # [8, 16] @ [16, 16]
+        y = jax.lax.scan(lambda c, _: (c @ w, None), y, None, length=3)[0]
+        z = jax.vmap(lambda a: a @ w)(jnp.stack([y, y]))
+        sq = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                            interpret=True)(jax.lax.stop_gradient(w))
+        return jnp.sum(z) + jnp.sum(sq)
+
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
+    fwd = matmul_floor.collect_dots(jax.make_jaxpr(f)(x, w).jaxpr)
+    assert sum(fwd.values()) == 5  # 1 + 3 in the scan + 1 under vmap; the kernel's is skipped
+    flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in fwd.items())
+    assert flops == 2 * 8 * 16 * 16 * (1 + 3 + 2)  # the vmapped product is two [8,16]@[16,16]
+    grad = matmul_floor.collect_dots(jax.make_jaxpr(jax.grad(f, argnums=1))(x, w).jaxpr)
+    # backward: ∂w for every product, ∂(input) for all but the first (x is not differentiated)
+    grad_flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in grad.items())
+    assert grad_flops == flops + 2 * 8 * 16 * 16 * (6 + 5)
+
+
+@pytest.mark.slow
+def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
+    """The dots collected from one traced ``train_step`` carry the model's training FLOPs (the
+    analytic count of ``train_flops_per_sample``, to 5 %: that count takes the backward as twice
+    the forward, including the input layer's ∂obs, which is never computed), and the CPU smoke
+    run prints its JSON record."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import matmul_floor
+
+    from jdqn.config import apply_overrides, config_from_dict, load_config, to_dict
+    from jdqn.networks.model import train_flops_per_sample
+
+    cfg = load_config(REPO / "configs" / "gpu.toml",
+                      ["data.cache_dir=''", *matmul_floor.quick_sets()])
+    cfg = config_from_dict(apply_overrides(to_dict(cfg), ["train.batch_size=64"]))
+    dots, p = matmul_floor.update_dots(cfg)
+    flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in dots.items())
+    expect = 64 * train_flops_per_sample(cfg.model, p.layout.width, len(p.feats.flow_idx))
+    assert abs(flops / expect - 1) < 0.05, (flops, expect)
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "matmul_floor.py"), "--quick", "--batch", "32",
+         "--repeats", "1"], check=False, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batch"] == 32 and out["n_dots_per_update"] == sum(dots.values())
+    assert out["isolated_matmul_us_per_update"] == pytest.approx(
+        sum(r["count"] * r["us"] for r in out["rows"]), rel=1e-3, abs=1.0)
