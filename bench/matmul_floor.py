@@ -10,9 +10,11 @@ is the sum of the call's kernel durations from CUPTI (no launch gaps, no host ti
 it is the best wall time of ``--repeats`` calls.
 
 The sum over the update (``isolated_matmul_us_per_update``) is what the update's matmuls take
-when each one runs by itself, with nothing fused into it and nothing beside it: the time a
-design that keeps one kernel per matmul cannot go below, however its elementwise work is fused.
-Each row also gives the bytes the matmul must move (operands + result) and the rate that implies.
+with XLA's kernels when each runs by itself, with nothing fused into it and nothing beside it.
+Each row also gives the bytes the matmul reads and writes (operands + result, each once) and
+the rate that implies; ``bytes_at_stream_us_per_update`` is the time those bytes take at the
+device's streaming rate (``stream_tb_s``: ``x + 1`` over 1 GB, timed the same way) — what any
+design with one kernel per matmul spends moving them unless consecutive kernels meet in cache.
 
 ``--mgpu`` also times JAX's own Hopper wgmma/TMA matmul (``jax.experimental.pallas.ops.gpu.
 hopper_matmul_mgpu``, Pallas Mosaic GPU) over a small tile sweep for the rows it can run:
@@ -62,11 +64,17 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
+_OTHER_MATMULS = ("conv_general_dilated", "ragged_dot_general")
+
+
 def collect_dots(jaxpr, times: int = 1, out=None) -> collections.Counter:
     """``Counter`` of dot signatures → executions per call of ``jaxpr``. A signature is
     ``(lhs shape, lhs dtype, rhs shape, rhs dtype, dimension_numbers, precision,
-    preferred_element_type)``; ``scan`` bodies count ``length`` times, ``while`` bodies once
-    (their trip count is not static; ``train_step`` has none at the model's level)."""
+    preferred_element_type)``. ``scan`` bodies count ``length`` times; of a ``cond``'s branches
+    (one runs) the one with the most matmul FLOPs counts; ``while`` bodies count once (their trip
+    count is not static); inside ``shard_map`` the shapes are one device's, as its time is.
+    ``train_step`` has none of these four around its matmuls today. Convolutions and ragged dots
+    are matmuls this bench cannot time: it refuses a program with one rather than leave it out."""
     out = collections.Counter() if out is None else out
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -79,7 +87,15 @@ def collect_dots(jaxpr, times: int = 1, out=None) -> collections.Counter:
                    None if pref is None else str(np.dtype(pref)))
             out[key] += times
             continue
+        if name in _OTHER_MATMULS:
+            raise ValueError(f"matmul_floor: the program has a {name}, which this bench does "
+                             "not time")
         if name in _SKIP:
+            continue
+        if name == "cond":
+            branches = [collect_dots(b.jaxpr, times) for b in eqn.params["branches"]]
+            out.update(max(branches, key=lambda c: sum(n * flops_bytes(k)[0]
+                                                         for k, n in c.items())))
             continue
         inner = times * (int(eqn.params["length"]) if name == "scan" else 1)
         for v in eqn.params.values():
@@ -147,7 +163,7 @@ def mgpu_us(key, repeats: int) -> dict:
             fn = jax.jit(functools.partial(hm.matmul, config=cfg))
             us = device_us(lambda x, y, fn=fn: fn(x, y, None), (a, b), repeats)
             err = float(jnp.max(jnp.abs(fn(a, b, None).astype(jnp.float32) - ref)))
-        except (ValueError, NotImplementedError) as e:  # a tile the kernel or SMEM cannot take
+        except (ValueError, NotImplementedError, RuntimeError) as e:  # a tile it cannot take
             errors.append(f"{tm}x{tn}/{wgd}/{steps}: {type(e).__name__}: {str(e)[:120]}")
             continue
         if best is None or us < best["us"]:
@@ -170,6 +186,14 @@ def quick_sets() -> list[str]:
     """Small sizes for a CPU smoke run (``--quick``)."""
     return ["env.n_envs=64", "env.episode_length=64", "train.replay_capacity=4096",
             "train.min_replay=256", "train.collect_steps=4", "data.synthetic.n_bars=4000"]
+
+
+def stream_tb_s(repeats: int, mbytes: int = 1024) -> float:
+    """The device's streaming rate in TB/s: ``x + 1`` over a float32 array of ``mbytes`` MB
+    (read once, written once), timed like the matmuls."""
+    x = jnp.zeros((mbytes * 2**20 // 4,), jnp.float32)
+    us = device_us(jax.jit(lambda x: x + 1.0), (x,), repeats)
+    return 2 * x.nbytes / us / 1e6
 
 
 def main() -> None:
@@ -212,6 +236,7 @@ def main() -> None:
         total_bytes += count * nbytes
         print(json.dumps({k: row[k] for k in ("lhs", "rhs", "count", "us")}), file=sys.stderr,
               flush=True)
+    stream = stream_tb_s(args.repeats, 64 if args.quick else 1024)
     dev = jax.devices()[0]
     out = {"bench": "matmul_floor", "config": Path(args.config).name, "quick": args.quick,
            "batch": batch, "matmul_dtype": args.dtype, "sets": args.sets,
@@ -221,6 +246,8 @@ def main() -> None:
            "isolated_matmul_us_per_update": round(total_us, 1),
            "gflop_per_update": round(total_flops / 1e9, 2),
            "gbytes_per_update": round(total_bytes / 1e9, 3),
+           "stream_tb_s": round(stream, 2),
+           "bytes_at_stream_us_per_update": round(total_bytes / stream / 1e6, 1),
            "rows": rows, "device": getattr(dev, "device_kind", str(dev)),
            "jax": jax.__version__,
            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}

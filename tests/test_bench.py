@@ -95,7 +95,8 @@ def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
 
 def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
     """``collect_dots`` finds the dots of a differentiated program — forward, backward, inside
-    ``scan`` bodies (× length) and under ``vmap`` — and leaves out a Pallas kernel's."""
+    ``scan`` bodies (× length), under ``vmap`` (batch dimensions too), the costlier branch of a
+    ``cond`` — and leaves out a Pallas kernel's."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -107,22 +108,27 @@ def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
         o_ref[...] = jnp.dot(a_ref[...], a_ref[...])
 
     def f(x, w):
-        y = x @ w  # [8, 16] @ [16, 16]
+        y = x @ w  # [8, 16] @ [16, 16]: one unit of 2·8·16·16 FLOPs
         y = jax.lax.scan(lambda c, _: (c @ w, None), y, None, length=3)[0]
-        z = jax.vmap(lambda a: a @ w)(jnp.stack([y, y]))
+        z = jax.vmap(lambda a: a @ w)(jnp.stack([y, y]))  # one dot, two units
+        zb = jax.vmap(lambda a, b: a @ b)(z, jnp.stack([w, w]))  # batch dimension: two units
+        c = jax.lax.cond(x[0, 0] > 0, lambda: y @ w @ w, lambda: y @ w)  # one branch runs
         sq = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
                             interpret=True)(jax.lax.stop_gradient(w))
-        return jnp.sum(z) + jnp.sum(sq)
+        return jnp.sum(zb) + jnp.sum(c) + jnp.sum(sq)
 
+    unit = 2 * 8 * 16 * 16
     x, w = jnp.ones((8, 16)), jnp.ones((16, 16))
     fwd = matmul_floor.collect_dots(jax.make_jaxpr(f)(x, w).jaxpr)
-    assert sum(fwd.values()) == 5  # 1 + 3 in the scan + 1 under vmap; the kernel's is skipped
+    assert sum(fwd.values()) == 1 + 3 + 1 + 1 + 2  # the kernel's dot is skipped
     flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in fwd.items())
-    assert flops == 2 * 8 * 16 * 16 * (1 + 3 + 2)  # the vmapped product is two [8,16]@[16,16]
+    assert flops == unit * (1 + 3 + 2 + 2 + 2)
     grad = matmul_floor.collect_dots(jax.make_jaxpr(jax.grad(f, argnums=1))(x, w).jaxpr)
-    # backward: ∂w for every product, ∂(input) for all but the first (x is not differentiated)
+    # backward: ∂w of every product and ∂(input) of all but the first (x is not
+    # differentiated): 2 · 3 in the scan, 2 + 2 for each vmapped product, 4 in the costlier
+    # branch (∂w twice, ∂(y @ w), ∂y)
     grad_flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in grad.items())
-    assert grad_flops == flops + 2 * 8 * 16 * 16 * (6 + 5)
+    assert grad_flops == flops + unit * (1 + 6 + 4 + 4 + 4)
 
 
 @pytest.mark.slow
@@ -141,6 +147,17 @@ def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
                       ["data.cache_dir=''", *matmul_floor.quick_sets()])
     cfg = config_from_dict(apply_overrides(to_dict(cfg), ["train.batch_size=64"]))
     dots, p = matmul_floor.update_dots(cfg)
+    # every matmul XLA is given: the same count as the lowered program's dot_general ops
+    import jax
+    import jax.numpy as jnp
+
+    from jdqn.train import epoch as epoch_lib
+
+    _, env_params, state = matmul_floor.train_bench.build(cfg)
+    one = jax.tree.map(lambda x: x[0], state)
+    hlo = jax.jit(lambda s: epoch_lib.train_step(p.learner, s, env_params,
+                                                 jnp.asarray(0, jnp.int32))).lower(one).as_text()
+    assert sum(dots.values()) == hlo.count("stablehlo.dot_general")
     flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in dots.items())
     expect = 64 * train_flops_per_sample(cfg.model, p.layout.width, len(p.feats.flow_idx))
     assert abs(flops / expect - 1) < 0.05, (flops, expect)
