@@ -171,3 +171,47 @@ def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
     assert out["batch"] == 32 and out["n_dots_per_update"] == sum(dots.values())
     assert out["isolated_matmul_us_per_update"] == pytest.approx(
         sum(r["count"] * r["us"] for r in out["rows"]), rel=1e-3, abs=1.0)
+
+
+def test_xla_flags_sweep_keeps_failures_and_brackets_the_base(tmp_path, monkeypatch, capsys):
+    """``bench/xla_flags.py`` runs the base first and last around the settings, divides by the
+    best base, keeps a setting that failed with its return code and output, and refuses a
+    setting that is not an XLA flag."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import xla_flags
+
+    seen = []
+
+    def fake_run(flags, args):
+        seen.append(flags)
+        if flags == "--xla_bad=1":
+            return {"flags": flags, "rc": 1, "wall_s": 0.1, "log_tail": "Unknown flag"}
+        ms = {"": 4.0 if len(seen) == 1 else 3.5, "--xla_good=1": 3.0}[flags]
+        return {"flags": flags, "rc": 0, "wall_s": 0.1, "ms_per_update": ms}
+
+    monkeypatch.setattr(xla_flags, "run_setting", fake_run)
+    out_file = tmp_path / "s.json"
+    monkeypatch.setattr(sys, "argv", ["xla_flags.py", "--flag=--xla_good=1",
+                                      "--flag=--xla_bad=1", "--out", str(out_file)])
+    xla_flags.main()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert seen == ["", "--xla_good=1", "--xla_bad=1", ""]
+    assert out == json.loads(out_file.read_text()) and out["complete"]
+    assert out["base_ms"] == [3.5, 4.0]
+    good, bad = out["runs"][1], out["runs"][2]
+    assert good["vs_base_best"] == pytest.approx(3.0 / 3.5, abs=1e-4)
+    assert bad["rc"] == 1 and bad["log_tail"] == "Unknown flag" and "vs_base_best" not in bad
+
+    # the real subprocess: an unknown flag stops XLA at start-up, and the row says so
+    args = xla_flags.argparse.Namespace(config=str(REPO / "configs" / "gpu.toml"),
+                                        dtype="float32", batch=64, updates=1, repeats=1,
+                                        sets=[], quick=True, timeout=300)
+    monkeypatch.undo()
+    row = xla_flags.run_setting("--xla_no_such_flag=1", args)
+    assert row["rc"] != 0 and "ms_per_update" not in row
+    assert "--xla_no_such_flag" in row["log_tail"]
+
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "xla_flags.py"),
+                           "--flag=--not_xla=1"], check=False, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "'--not_xla=1' is not an XLA flag" in proc.stderr
