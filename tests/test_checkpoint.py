@@ -300,6 +300,52 @@ def test_checksums_agree_on_device_and_host_and_catch_every_single_bit_flip(dtyp
             assert ck_lib.leaf_checksums({"x": sw.reshape(x.shape)}, on_device=False) != host
 
 
+@pytest.mark.parametrize("group_words", [1 << 24, 40])
+def test_checksums_of_many_leaves_summed_in_groups_are_each_leafs_own(monkeypatch, group_words):
+    # The device sums small leaves in one pass over their concatenation (in groups of at most
+    # _GROUP_MAX_WORDS words) and big ones alone: each leaf must still get its own checksum,
+    # the host's, whatever its dtype, size (empty, scalar) and place in a group; damage to a
+    # leaf's first or last word must move that leaf's checksum and no other.
+    from helpers import x64
+
+    from jdqn.train import checkpoint as ck_lib
+
+    monkeypatch.setattr(ck_lib, "_GROUP_LEAF_WORDS", 64)  # leaves over 64 words go alone
+    monkeypatch.setattr(ck_lib, "_GROUP_MAX_WORDS", group_words)
+    rng = np.random.default_rng(3)
+
+    def leaf(shape, dtype):
+        dt = np.dtype(jnp.dtype(dtype))
+        if dt == np.bool_:
+            return rng.integers(0, 2, size=shape).astype(bool)
+        n = int(np.prod(shape)) * dt.itemsize
+        return np.frombuffer(rng.bytes(n), dt).reshape(shape).copy()
+
+    with x64():
+        tree = {"a": leaf((7, 5), "float32"), "b": leaf((0,), "float32"), "c": leaf((), "int32"),
+                "d": leaf((7, 3), "bool"), "e": leaf((11,), "float64"),
+                "f": leaf((5, 2), "complex64"), "g": leaf((9,), "bfloat16"),
+                "h": leaf((13,), "uint8"), "i": leaf((3,), "complex128"),
+                "j": leaf((65,), "float32"), "k": leaf((4, 4), "int64"), "l": leaf((2,), "int16"),
+                "m": leaf((0, 3), "int64"), "n": leaf((1,), "uint32")}
+        groups, alone = ck_lib._groups(list(tree.values()))
+        assert [list(tree)[i] for i in alone] == ["j"]
+        assert len(groups) == (1 if group_words > 1000 else 6)
+        host = ck_lib.leaf_checksums(tree, on_device=False)
+        assert ck_lib.leaf_checksums({k: jnp.asarray(v) for k, v in tree.items()}) == host
+        assert len(set(host.values())) == len(host) - 1  # the two empty leaves sum to 0
+        for name in ("a", "c", "e", "h", "j", "k", "n"):
+            for pos in (0, -1):
+                hit = dict(tree)
+                raw = bytearray(tree[name].tobytes())
+                raw[pos] ^= 0x10
+                hit[name] = np.frombuffer(bytes(raw), tree[name].dtype).reshape(
+                    tree[name].shape)
+                got = ck_lib.leaf_checksums({k: jnp.asarray(v) for k, v in hit.items()})
+                assert got == ck_lib.leaf_checksums(hit, on_device=False)
+                assert [k for k in host if got[k] != host[k]] == [f"['{name}']"]
+
+
 def test_checksums_catch_structured_damage_a_weighted_sum_misses():
     # Σ (2i + 1)·w_i (the first version) cannot see two flips of bit 31 (two float32 sign
     # flips): 2³¹·(2i + 1) + 2³¹·(2j + 1) ≡ 0 mod 2³². Nor the same low bit flipped in words

@@ -18,7 +18,8 @@ widened, 8-byte ones split into two words, complex ones as their two parts), get
 lanes ``Σ_i fmix32(w_i ⊕ fmix32(a·i + c)) mod 2³²`` (``fmix32`` MurmurHash3's finaliser, one
 ``(a, c)`` per lane), stored as one 64-bit number. The sums are taken on the device when saving
 (exact integer arithmetic, so any reduction order gives the same number: deterministic on the
-GPU and across data-parallel shards), and again on the restored arrays; a mismatch refuses the
+GPU and across data-parallel shards; small leaves are summed in one pass over their concatenation,
+big ones alone), and again on the restored arrays; a mismatch refuses the
 checkpoint, naming the leaves. (The NumPy version, the same numbers, is the tests' oracle.) ``fmix32`` is a bijection, so any change confined to one word —
 every single-bit flip — is always caught; other damage escapes only if both lanes' sums collide
 by chance, about 2⁻⁶⁴ (a plain weighted sum ``Σ (2i + 1)·w_i``, the first version, missed
@@ -186,10 +187,60 @@ def _checksum(x: Any, xp: Any) -> tuple[Any, Any]:
                         dtype=xp.uint32) for a, c in _LANES)
 
 
+# Leaves of at most this many words share one pass (concatenated, summed per leaf); bigger ones
+# (the replay's arrays) are summed alone, so the pass never copies them. A group is closed
+# at _GROUP_MAX_WORDS words.
+_GROUP_LEAF_WORDS = 1 << 20
+_GROUP_MAX_WORDS = 1 << 24
+
+
+def _n_words(x: Any) -> int:
+    """How many words :func:`_words` makes of ``x`` (from its shape and dtype alone)."""
+    return int(np.prod(np.shape(x), dtype=np.int64)) * max(1, np.dtype(x.dtype).itemsize // 4)
+
+
+def _groups(leaves: list[Any]) -> tuple[list[list[int]], list[int]]:
+    """Leaf indices in groups summed in one pass, and the indices summed alone."""
+    groups: list[list[int]] = []
+    alone: list[int] = []
+    n = 0
+    for i, x in enumerate(leaves):
+        w = _n_words(x)
+        if w > _GROUP_LEAF_WORDS:
+            alone.append(i)
+            continue
+        if not groups or n + w > _GROUP_MAX_WORDS:
+            groups.append([])
+            n = 0
+        groups[-1].append(i)
+        n += w
+    return groups, alone
+
+
+def _grouped_checksums(words: list[jax.Array]) -> jax.Array:
+    """:func:`_checksum` of each flat word vector of ``words`` (uint32 ``[k, 2]``) in one pass
+    over their concatenation: each word is mixed with its index within its own leaf, and the
+    mixed words are summed per leaf (a segment sum: uint32 addition is exact in any order, so
+    these are the numbers each leaf summed alone gives). One pass instead of one per leaf: on
+    the quickstart's 253 leaves the CPU program took 1.9 s to trace and compile instead of
+    10.3 s."""
+    w = jnp.concatenate(words)
+    i = jnp.concatenate([jnp.arange(x.shape[0], dtype=jnp.uint32) for x in words])
+    seg = jnp.concatenate([jnp.full((x.shape[0],), k, jnp.int32) for k, x in enumerate(words)])
+    mixed = jnp.stack([_fmix32(w ^ _fmix32(i * jnp.uint32(a) + jnp.uint32(c), jnp), jnp)
+                       for a, c in _LANES], axis=-1)
+    return jax.ops.segment_sum(mixed, seg, num_segments=len(words), indices_are_sorted=True)
+
+
 def _checksum_lanes(leaves: list[jax.Array]) -> jax.Array:
+    """Every leaf's two checksum lanes, uint32 ``[n, 2]`` in leaf order."""
     if not leaves:
         return jnp.zeros((0, 2), jnp.uint32)
-    return jnp.stack([jnp.stack(_checksum(x, jnp)) for x in leaves])
+    groups, alone = _groups(leaves)
+    parts = [_grouped_checksums([_words(leaves[i], jnp) for i in g]) for g in groups]
+    parts += [jnp.stack(_checksum(leaves[i], jnp))[None] for i in alone]
+    order = [i for g in groups for i in g] + alone
+    return jnp.concatenate(parts)[np.argsort(np.array(order))]
 
 
 def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
