@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,3 +180,51 @@ def test_bad_period_raises():
     params = E.make_params(feats, o, h, lo_, c, EnvConfig(), state_width=W)
     with pytest.raises(E.EnvInputError, match="period"):
         rollout(params, buy_and_hold_policy, jnp.int32(0), lo=390, hi=500)
+
+
+@pytest.mark.parametrize("n_windows", [1, 3])
+def test_chunked_scan_is_bitwise_one_scan_and_periods_share_one_program(monkeypatch, n_windows):
+    # The rollout runs its steps in calls of SCAN_CHUNK steps carrying the env state: the
+    # records must be bitwise those of one scan over all the steps (the random policy's key is
+    # folded with the step's index in the whole rollout, not in the call), and periods of
+    # other lengths must reuse the compiled program.
+    from jdqn.evaluate import backtest as bt
+    from jdqn.evaluate.baselines import random_policy
+
+    feats, o, h, lo_, c = bars(5)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(contract_multiplier=MULT),
+                           state_width=W)
+    fields = [f.name for f in dataclasses.fields(bt.BacktestResult)]
+
+    def run(lo, hi):
+        return rollout(params, random_policy, jnp.int32(0), lo=lo, hi=hi, n_windows=n_windows)
+
+    monkeypatch.setattr(bt, "SCAN_CHUNK", 1 << 20)  # one call: the whole scan
+    whole = run(20, 390)
+    monkeypatch.setattr(bt, "SCAN_CHUNK", 32)
+    n0 = bt._scan._cache_size()
+    chunked = run(20, 390)  # 369 steps (n_windows = 1): 12 calls, the last one 15 steps long
+    assert chunked.n_bars == whole.n_bars == 369
+    for f in fields:
+        np.testing.assert_array_equal(getattr(chunked, f), getattr(whole, f), err_msg=f)
+    other = run(60, 300)
+    assert other.n_bars == 239 and bt._scan._cache_size() == n0 + 1
+
+
+def test_baselines_through_one_program_equal_each_baseline_alone():
+    from jdqn.evaluate import backtest as bt
+    from jdqn.evaluate.baselines import BASELINES
+
+    feats, o, h, lo_, c = bars(6)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(contract_multiplier=MULT),
+                           state_width=W)
+    cfg = EvalConfig(momentum_lookback=7, random_seed=3)
+    bt._scan.clear_cache()
+    out = run_baselines(params, cfg, lo=30, hi=330)
+    assert bt._scan._cache_size() == 1  # four baselines, one compiled program
+    for name, res in out.items():
+        alone = rollout(params, BASELINES[name], jnp.int32(7), lo=30, hi=330,
+                        key=jax.random.key(3))
+        for f in dataclasses.fields(bt.BacktestResult):
+            np.testing.assert_array_equal(getattr(res, f.name), getattr(alone, f.name),
+                                          err_msg=f"{name}.{f.name}")

@@ -2,7 +2,8 @@
 
 The period ``[lo, hi)`` has decision bars ``lo … hi−2`` and return bars ``lo+1 … hi−1``
 (``M = hi − lo − 1`` of each). It is cut into ``n_windows`` contiguous windows that run in
-parallel as the env's N axis (one ``lax.scan`` of ``⌈M / n_windows⌉`` steps); every window starts
+parallel as the env's N axis (a ``lax.scan`` over ``⌈M / n_windows⌉`` steps, run in calls of
+:data:`SCAN_CHUNK` steps so that periods of any length share one program); every window starts
 flat and is liquidated at its end by the env's forced liquidation, and the per-bar records are
 stitched back in time order, so every return bar of the period appears exactly once.
 ``n_windows = 1`` is one sequential episode (exact, the default); ``K`` windows add ``K − 1``
@@ -130,11 +131,23 @@ def _wrap_obs_only(policy_fn: PolicyFn) -> PolicyFn:
     return call
 
 
+# Steps per call of the jitted scan. A backtest runs its ⌈M / n_windows⌉ steps as calls of this
+# one program, carrying the env state between them, so every period length (each fold's
+# validation window, the test window) shares one compiled program per policy and window count
+# instead of one per length; the last call's steps past the windows' ends are inactive (the
+# windows are done) and dropped like those of a window that ends early.
+SCAN_CHUNK = 256
+
+
+@jax.jit
+def _begin(params: EnvParams, start: jax.Array, last: jax.Array) -> Any:
+    return reset_at(params, start, last), jnp.zeros(start.shape, bool)
+
+
 @functools.partial(jax.jit, static_argnames=("policy_fn", "n_steps"))
-def _scan(params: EnvParams, policy_params: Any, start: jax.Array, last: jax.Array,
-          key: jax.Array, policy_fn: PolicyFn, n_steps: int) -> dict[str, jax.Array]:
-    state = reset_at(params, start, last)
-    done0 = jnp.zeros(start.shape, bool)
+def _scan(params: EnvParams, policy_params: Any, carry: Any, i0: jax.Array, key: jax.Array,
+          policy_fn: PolicyFn, n_steps: int) -> tuple[Any, dict[str, jax.Array]]:
+    """Steps ``i0 … i0 + n_steps − 1`` of the rollout from ``carry`` (env state, done)."""
 
     def body(carry: Any, i: jax.Array) -> Any:
         state, done = carry
@@ -149,8 +162,21 @@ def _scan(params: EnvParams, policy_params: Any, start: jax.Array, last: jax.Arr
         rec.update(active=active, action=action, q_gap=aux.q_gap, q_var=aux.q_var)
         return (state, done | d), rec
 
-    _, recs = jax.lax.scan(body, (state, done0), jnp.arange(n_steps))
-    return recs
+    return jax.lax.scan(body, carry, i0 + jnp.arange(n_steps, dtype=jnp.int32))
+
+
+def _run_scan(params: EnvParams, policy_params: Any, start: np.ndarray, last: np.ndarray,
+              key: jax.Array, policy_fn: PolicyFn, n_steps: int) -> dict[str, np.ndarray]:
+    """The rollout's per-step records ``[n_steps, N]`` (host), in calls of :data:`SCAN_CHUNK`
+    steps (the last one's extra steps cut off)."""
+    carry = _begin(params, jnp.asarray(start, jnp.int32), jnp.asarray(last, jnp.int32))
+    chunk = min(SCAN_CHUNK, n_steps) if n_steps <= SCAN_CHUNK // 4 else SCAN_CHUNK
+    parts = []
+    for i0 in range(0, n_steps, chunk):
+        carry, recs = _scan(params, policy_params, carry, jnp.int32(i0), key, policy_fn, chunk)
+        parts.append(recs)
+    parts = jax.device_get(parts)
+    return {k: np.concatenate([np.asarray(r[k]) for r in parts])[:n_steps] for k in parts[0]}
 
 
 def strided_cfg(cfg: EnvConfig, stride: int) -> EnvConfig:
@@ -213,9 +239,7 @@ def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *
     key = jax.random.key(0) if key is None else key
     _check_policy_shapes(params, caller, policy_params, n_win, key)
 
-    recs = _scan(params, policy_params, jnp.asarray(start, jnp.int32),
-                 jnp.asarray(last, jnp.int32), key, caller, n_steps)
-    recs = jax.device_get(recs)
+    recs = _run_scan(params, policy_params, start, last, key, caller, n_steps)
     active = np.asarray(recs["active"]).T  # [K, S]; windows are in time order
     flat = {k: np.asarray(v).swapaxes(0, 1)[active] for k, v in recs.items() if k != "active"}
     validate_actions(flat["action"], PolicyAux(q_gap=flat["q_gap"], q_var=flat["q_var"]))
