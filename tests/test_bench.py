@@ -215,3 +215,24 @@ def test_xla_flags_sweep_keeps_failures_and_brackets_the_base(tmp_path, monkeypa
                            "--flag=--not_xla=1"], check=False, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "'--not_xla=1' is not an XLA flag" in proc.stderr
+
+
+def test_backtest_bench_compares_chunk_lengths_on_the_same_records(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "backtest.py"), "--config",
+         str(REPO / "configs" / "quickstart.toml"), "--set", "data.synthetic.n_bars=6000",
+         "--chunks", "64,0", "--repeats", "1", "--out", str(out)],
+        check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert printed["same_records"] is True
+    chunked, whole = printed["rows"]
+    assert chunked["chunk"] == 64 and whole["chunk"] == 0
+    # The validation and test windows differ in length: one program chunked, two whole.
+    assert chunked["validation_steps"] != chunked["test_steps"]
+    assert chunked["programs_compiled"] == 1 and whole["programs_compiled"] == 2
+    for row in printed["rows"]:
+        for k in ("validation_first_call_s", "validation_s", "test_first_call_s", "test_s"):
+            assert row[k] > 0, k
