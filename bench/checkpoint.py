@@ -71,8 +71,16 @@ def main() -> None:
                     help="config override key=value (repeatable)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="", help="where to write (default: a temporary folder)")
+    ap.add_argument("--group-leaf-words", type=int, default=None,
+                    help="on the CPU, checksum leaves of up to this many words in one pass "
+                         "(default: the library's; 0 = every leaf alone, the program before "
+                         "2026-12-01, which other backends always run)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.group_leaf_words is not None:
+        if a.group_leaf_words < 0:
+            ap.error(f"--group-leaf-words must be ≥ 0, got {a.group_leaf_words}")
+        ckpt_lib._GROUP_LEAF_WORDS = a.group_leaf_words
 
     sets = ["parallel.n_devices=1", *a.sets]
     cfg = load_config(a.config, sets)
@@ -88,7 +96,10 @@ def main() -> None:
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="jdqn_ckbench_"))
     res: dict = {"bench": "checkpoint", "config": a.config, "sets": sets,
                  "state_bytes": n_bytes, "n_leaves": len(jax.tree.leaves(state)),
-                 "replay_capacity": cfg.train.replay_capacity}
+                 "replay_capacity": cfg.train.replay_capacity,
+                 "group_leaf_words": ckpt_lib._GROUP_LEAF_WORDS,
+                 "checksum_groups": (len(ckpt_lib._groups(jax.tree.leaves(encoded))[0])
+                                     if jax.default_backend() == "cpu" else 0)}
     try:
         ckpt_lib.leaf_checksums(encoded)  # compile
         res["checksums_device_s"] = best_of(lambda: ckpt_lib.leaf_checksums(encoded), a.repeats)

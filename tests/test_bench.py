@@ -64,6 +64,7 @@ def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text())
     assert printed["replay_capacity"] == 2000 and printed["state_bytes"] > 2000 * 68
+    assert printed["checksum_groups"] == 1  # this state's leaves are all small: one pass
     # The replay is filled with random bits, so the files are as large as a trained run's.
     assert printed["checkpoint_disk_bytes"] > 2000 * 68
     for k in ("checksums_device_s", "checksums_host_numpy_s", "save_blocking_s", "save_wait_s",
