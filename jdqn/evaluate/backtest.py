@@ -165,12 +165,18 @@ def _scan(params: EnvParams, policy_params: Any, carry: Any, i0: jax.Array, key:
     return jax.lax.scan(body, carry, i0 + jnp.arange(n_steps, dtype=jnp.int32))
 
 
+def _chunk(n_steps: int) -> int:
+    """Steps per call: :data:`SCAN_CHUNK`, or all of them for periods of at most a quarter of
+    it (whose padding would cost more than a program of their own)."""
+    return n_steps if n_steps <= SCAN_CHUNK // 4 else SCAN_CHUNK
+
+
 def _run_scan(params: EnvParams, policy_params: Any, start: np.ndarray, last: np.ndarray,
               key: jax.Array, policy_fn: PolicyFn, n_steps: int) -> dict[str, np.ndarray]:
     """The rollout's per-step records ``[n_steps, N]`` (host), in calls of :data:`SCAN_CHUNK`
     steps (the last one's extra steps cut off)."""
     carry = _begin(params, jnp.asarray(start, jnp.int32), jnp.asarray(last, jnp.int32))
-    chunk = min(SCAN_CHUNK, n_steps) if n_steps <= SCAN_CHUNK // 4 else SCAN_CHUNK
+    chunk = _chunk(n_steps)
     parts = []
     for i0 in range(0, n_steps, chunk):
         carry, recs = _scan(params, policy_params, carry, jnp.int32(i0), key, policy_fn, chunk)
@@ -204,6 +210,22 @@ def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *
     The policy's output is checked (shape/dtype before running, values after): out-of-range or
     non-finite actions, non-finite aux or a non-finite PnL raise :class:`EnvInputError`.
     """
+    params, bar_map, start, last, n_steps = _setup(params, lo, hi, n_windows, stride)
+    caller = _policy_caller(policy_fn, policy_params is None)
+    key = jax.random.key(0) if key is None else key
+    _check_policy_shapes(params, caller, policy_params, len(start), key)
+
+    recs = _run_scan(params, policy_params, start, last, key, caller, n_steps)
+    active = np.asarray(recs["active"]).T  # [K, S]; windows are in time order
+    flat = {k: np.asarray(v).swapaxes(0, 1)[active] for k, v in recs.items() if k != "active"}
+    validate_actions(flat["action"], PolicyAux(q_gap=flat["q_gap"], q_var=flat["q_var"]))
+    return _assemble(flat, params, bar_map, stride)
+
+
+def _setup(params: EnvParams, lo: int | None, hi: int | None, n_windows: int, stride: int
+           ) -> tuple[EnvParams, np.ndarray | None, np.ndarray, np.ndarray, int]:
+    """A rollout's env params (re-windowed or strided), bar map, window starts and last
+    decision bars, and steps per window."""
     lo = int(params.lo) if lo is None else int(lo)
     hi = int(params.hi) if hi is None else int(hi)
     if not (0 <= lo and lo + 2 <= hi <= params.n_bars):
@@ -235,15 +257,24 @@ def rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *
     n_win = -(-m // n_steps)  # drop windows that would be empty
     start = lo + n_steps * np.arange(n_win)
     last = np.minimum(start + n_steps, lo + m) - 1
+    return params, bar_map, start, last, n_steps
+
+
+def compile_rollout(params: EnvParams, policy_fn: PolicyFn, policy_params: Any = None, *,
+                    lo: int | None = None, hi: int | None = None, n_windows: int = 1,
+                    stride: int = 1, key: jax.Array | None = None) -> None:
+    """Compile the programs :func:`rollout` with these arguments runs, without running them
+    (``policy_params`` may be abstract: ``jax.ShapeDtypeStruct`` leaves), so that a backtest
+    can be compiled ahead of its first call (:mod:`jdqn.train.ahead`)."""
+    params, _, start, last, n_steps = _setup(params, lo, hi, n_windows, stride)
     caller = _policy_caller(policy_fn, policy_params is None)
     key = jax.random.key(0) if key is None else key
-    _check_policy_shapes(params, caller, policy_params, n_win, key)
-
-    recs = _run_scan(params, policy_params, start, last, key, caller, n_steps)
-    active = np.asarray(recs["active"]).T  # [K, S]; windows are in time order
-    flat = {k: np.asarray(v).swapaxes(0, 1)[active] for k, v in recs.items() if k != "active"}
-    validate_actions(flat["action"], PolicyAux(q_gap=flat["q_gap"], q_var=flat["q_var"]))
-    return _assemble(flat, params, bar_map, stride)
+    _check_policy_shapes(params, caller, policy_params, len(start), key)
+    start, last = jnp.asarray(start, jnp.int32), jnp.asarray(last, jnp.int32)
+    _begin.lower(params, start, last).compile()
+    carry = jax.eval_shape(_begin, params, start, last)
+    _scan.lower(params, policy_params, carry, jnp.int32(0), key, caller,
+                _chunk(n_steps)).compile()
 
 
 def _check_policy_shapes(params: EnvParams, caller: PolicyFn, policy_params: Any, n: int,

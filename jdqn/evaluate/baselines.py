@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jdqn.config import EvalConfig
 from jdqn.env.core import BRANCH_SIZES, FLAT, HOLD, LONG, MARKET, SHORT, EnvParams, PolicyAux
-from jdqn.evaluate.backtest import BacktestResult, PolicyContext, rollout
+from jdqn.evaluate.backtest import BacktestResult, PolicyContext, compile_rollout, rollout
 
 FULL = 2
 
@@ -79,6 +79,19 @@ def any_baseline_policy(policy_params: tuple[jax.Array, jax.Array], obs: jax.Arr
     return jax.lax.switch(index, branches, obs, ctx)
 
 
+def _params_of(name: str, eval_cfg: EvalConfig) -> tuple[jax.Array, jax.Array]:
+    return jnp.int32(_ORDER.index(name)), jnp.asarray(eval_cfg.momentum_lookback, jnp.int32)
+
+
+def compile_baselines(params: EnvParams, eval_cfg: EvalConfig, *, lo: int | None = None,
+                      hi: int | None = None, n_windows: int | None = None) -> None:
+    """Compile the one program :func:`run_baselines` with these arguments runs, without
+    running it (:mod:`jdqn.train.ahead`)."""
+    compile_rollout(params, any_baseline_policy, _params_of("flat", eval_cfg), lo=lo, hi=hi,
+                    n_windows=eval_cfg.n_windows if n_windows is None else n_windows,
+                    stride=eval_cfg.stride, key=jax.random.key(eval_cfg.random_seed))
+
+
 def run_baselines(params: EnvParams, eval_cfg: EvalConfig, *, lo: int | None = None,
                   hi: int | None = None, names: tuple[str, ...] | None = None,
                   n_windows: int | None = None) -> dict[str, BacktestResult]:
@@ -88,8 +101,7 @@ def run_baselines(params: EnvParams, eval_cfg: EvalConfig, *, lo: int | None = N
     for name in names:
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
-        pp = (jnp.int32(_ORDER.index(name)), jnp.asarray(eval_cfg.momentum_lookback, jnp.int32))
-        out[name] = rollout(params, any_baseline_policy, pp, lo=lo, hi=hi,
+        out[name] = rollout(params, any_baseline_policy, _params_of(name, eval_cfg), lo=lo, hi=hi,
                             n_windows=eval_cfg.n_windows if n_windows is None else n_windows,
                             stride=eval_cfg.stride, key=jax.random.key(eval_cfg.random_seed))
     return out

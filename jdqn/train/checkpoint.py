@@ -268,6 +268,14 @@ def _checksums_over(mesh: jax.sharding.Mesh | None, grouped: bool):
     return jax.jit(fn, out_shardings=rep)
 
 
+def compile_checksums(abstract_state: PyTree) -> None:
+    """Compile the checksum program :meth:`Checkpointer.save` runs on a one-device state of
+    these shapes (``jax.ShapeDtypeStruct`` leaves, typed keys included), without running it
+    (:mod:`jdqn.train.ahead`)."""
+    leaves = jax.tree.leaves(jax.eval_shape(_encode_keys, abstract_state))
+    _checksums_over(None, jax.default_backend() == "cpu").lower(leaves).compile()
+
+
 def leaf_checksums(tree: PyTree, on_device: bool = True) -> dict[str, int]:
     """``{leaf path: 64-bit checksum}`` of a pytree of arrays (typed keys already as key data).
     Raises TypeError for a dtype it cannot read as words (e.g. int4)."""

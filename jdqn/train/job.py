@@ -32,10 +32,11 @@ from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normali
 from jdqn.data.bars import event_bar_seconds
 from jdqn.env import core as env_core
 from jdqn.errors import CheckpointError
-from jdqn.evaluate.backtest import BacktestResult, rollout
-from jdqn.evaluate.baselines import run_baselines
+from jdqn.evaluate.backtest import BacktestResult, compile_rollout, rollout
+from jdqn.evaluate.baselines import compile_baselines, run_baselines
 from jdqn.evaluate.metrics import compute_metrics, periods_per_year
 from jdqn.evaluate.report import write_report, write_seed_summary
+from jdqn.train import ahead as ahead_lib
 from jdqn.train import distributed, parallel, safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
 from jdqn.train.folds import FoldPlan, check_eval_stride, plan_folds
@@ -263,6 +264,7 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     epoch_fn = make_epoch_fn(p.learner)
     env_params = fold_env_params(cfg, p, 0)
     abstract = jax.eval_shape(jax.vmap(lambda k: init_state(p.learner, k, env_params)), keys)
+    ahead = _compile_ahead(cfg, p, epoch_fn, abstract, env_params)
 
     ckpt = None
     if cfg.checkpoint.enabled:
@@ -300,19 +302,53 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
         logger.advance(progress["global_epoch"])
         try:
             state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt,
-                                            logger)
+                                            logger, ahead)
         finally:
             logger.close()
         if ckpt is not None:
             ckpt.close()  # waits for the last asynchronous save
             ckpt = None
+        ahead.wait("baselines")
     finally:
+        ahead.close()
         if ckpt is not None:  # an error is on its way out: stop orbax's threads quietly
             try:
                 ckpt.close()
             except CheckpointError:
                 pass
     return _test_and_report(cfg, p, state, progress, out, epoch_fn, t0)
+
+
+def _compile_ahead(cfg: Config, p: Prepared, epoch_fn, abstract: TrainState,
+                   env_params: env_core.EnvParams) -> ahead_lib.Ahead:
+    """Start compiling the run's programs from their shapes (:mod:`jdqn.train.ahead`): the
+    epoch and the baselines' backtest in the background, the validation backtest, the best-
+    parameters selection and the checkpoint checksums now. Every fold's programs are these
+    (the same shapes; a resume too)."""
+    ahead = ahead_lib.Ahead(ahead_lib.enabled(p.learner.n_devices))
+    if not ahead.on:
+        return ahead
+    n_seeds = len(cfg.train.seeds)
+    seeds_mask = jax.ShapeDtypeStruct((n_seeds,), jnp.bool_)
+    lower = getattr(epoch_fn, "lower", None)  # (a test's stand-in may not be a jit)
+    if lower is not None:
+        ahead.submit("epoch", lambda: lower(abstract, parallel.replicate(env_params, 1),
+                                            jnp.asarray(0, jnp.int32),
+                                            seeds_mask if n_seeds > 1 else None).compile())
+    lo, hi = p.plan.test
+    ahead.submit("baselines", lambda: compile_baselines(
+        env_core.with_window(env_params, lo, hi, training=False), cfg.eval, lo=lo, hi=hi))
+    val = p.plan.folds[0].val
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract.params)
+    ahead.run("validation", lambda: compile_rollout(
+        env_core.with_window(env_params, *val, training=False), _greedy_fn(p.learner), params,
+        lo=val[0], hi=val[1], n_windows=cfg.eval.n_windows, stride=cfg.eval.stride))
+    ahead.run("best", lambda: _select_best.lower(abstract, seeds_mask).compile())
+    if cfg.checkpoint.enabled:
+        from jdqn.train.checkpoint import compile_checksums
+
+        ahead.run("checksums", lambda: compile_checksums(abstract))
+    return ahead
 
 
 def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict[str, Any],
@@ -355,7 +391,8 @@ def plan_epochs(cfg: Config) -> int:
 
 
 def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckpt,
-                  logger: RunLogger) -> tuple[TrainState, dict[str, Any]]:
+                  logger: RunLogger, ahead: ahead_lib.Ahead | None = None
+                  ) -> tuple[TrainState, dict[str, Any]]:
     tc = cfg.train
     n_seeds = len(tc.seeds)
     start_fold = progress["fold"] + (1 if progress["fold_done"] else 0)
@@ -379,6 +416,8 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             # One seed is always active here (its fold ends when it stops): no mask, so the
             # epoch does not keep its input state alive to select from (one state's memory).
             mask = jnp.asarray(active) if n_seeds > 1 else None
+            if ahead is not None:
+                ahead.wait("epoch")  # its program, compiling in the background
             state, metrics = epoch_fn(state, train_env, fold_arr, mask)
             metrics, monitor = jax.device_get((metrics, state.monitor))
             safety.raise_if_halted(monitor, CHECKED_TENSORS, tc.seeds)

@@ -1,0 +1,155 @@
+"""Compiling ahead (``jdqn.train.ahead``): the same run, no program compiled twice, the
+programs compiled ahead are the ones the calls use, and a failed task is only dropped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import tiny_config
+
+from jdqn.train.ahead import Ahead
+
+REPO = Path(__file__).resolve().parents[1]
+
+_RUN = r"""
+import hashlib, json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from jax import monitoring
+names = []
+def count(event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+        names.append(kw.get("fun_name", "?"))
+monitoring.register_event_duration_secs_listener(count)
+from helpers import tiny_config
+from jdqn.train import job
+out = Path(sys.argv[1])
+report = job.run_job(tiny_config("train.seeds=[0, 1]"), out, quiet=True)
+print(json.dumps({"compiles": sorted(names), "report": report,
+                  "returns": hashlib.sha256((out / "returns.csv").read_bytes()).hexdigest()}))
+"""
+
+
+def _run(tmp_path: Path, name: str, ahead: str) -> dict:
+    env = {**os.environ, "JDQN_COMPILE_AHEAD": ahead}
+    proc = subprocess.run([sys.executable, "-c", _RUN, str(tmp_path / name),
+                           str(REPO / "tests")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_run_compiling_ahead_is_the_same_run_with_no_program_compiled_twice(tmp_path):
+    on = _run(tmp_path, "on", "1")
+    off = _run(tmp_path, "off", "0")
+    assert on["returns"] == off["returns"]
+    for r in (on, off):
+        r["report"]["extra"].pop("wall_seconds")
+    assert on["report"] == off["report"]
+    assert on["report"]["extra"]["epoch_compilations"] == 1
+    # Every program compiled ahead was the one its call used: a call that missed it would
+    # have compiled it again.
+    assert on["compiles"] == off["compiles"]
+    assert on["compiles"].count("jit(run)") == 1 and on["compiles"].count("jit(_scan)") == 2
+
+
+def _compiled_during(fn) -> list[str]:
+    """The names of the programs XLA compiled while ``fn()`` ran."""
+    from jax import monitoring
+
+    names: list[str] = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kw.get("fun_name", "?"))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return names
+
+
+def test_programs_compiled_ahead_are_the_ones_the_calls_use():
+    from jdqn.evaluate import backtest as bt
+    from jdqn.evaluate.baselines import compile_baselines, random_policy, run_baselines
+    from jdqn.train import checkpoint as ck_lib
+    from jdqn.train import job as job_lib
+    from jdqn.train.state import init_state, seed_keys
+
+    cfg = tiny_config("train.seeds=[0, 1]")
+    p = job_lib.prepare(cfg)
+    env = job_lib.fold_env_params(cfg, p, 0)
+    keys = seed_keys(cfg.train.seeds)
+    abstract = jax.eval_shape(jax.vmap(lambda k: init_state(p.learner, k, env)), keys)
+    lo, hi = p.plan.folds[0].val
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                          abstract.params)
+
+    state = job_lib._fold_state(p, None, env, 0, keys)
+    seed0 = job_lib.seed_slice(state.params, 0)
+    ours = ("jit(_scan)", "jit(_begin)", "jit(_checksum_lanes)", "jit(_select_best)")
+    for f in (bt._scan, bt._begin, job_lib._select_best):
+        f.clear_cache()
+    ck_lib._checksums_over.cache_clear()
+
+    def ahead():
+        bt.compile_rollout(env, job_lib._greedy_fn(p.learner), params, lo=lo, hi=hi)
+        bt.compile_rollout(env, random_policy, jnp.int32(0), lo=lo, hi=hi, n_windows=3)
+        compile_baselines(env, cfg.eval, lo=lo, hi=hi)
+        ck_lib.compile_checksums(abstract)
+        job_lib._select_best.lower(abstract, jax.ShapeDtypeStruct((2,), jnp.bool_)).compile()
+
+    def calls():
+        got = job_lib.evaluate_params(cfg, p, env, seed0, lo, hi)
+        rnd = bt.rollout(env, random_policy, jnp.int32(0), lo=lo, hi=hi, n_windows=3)
+        assert got.n_bars == rnd.n_bars == hi - lo - 1
+        run_baselines(env, cfg.eval, lo=lo, hi=hi)
+        ck_lib.leaf_checksums(ck_lib._encode_keys(state))
+        job_lib._select_best(state, jnp.asarray([True, False]))
+
+    before = _compiled_during(ahead)
+    assert sorted(n for n in before if n in ours) == sorted(
+        ["jit(_scan)"] * 3 + ["jit(_begin)"] * 2 + ["jit(_checksum_lanes)", "jit(_select_best)"])
+    assert [n for n in _compiled_during(calls) if n in ours] == []
+
+
+def test_tasks_run_in_order_in_the_background_and_a_failure_is_only_logged(caplog):
+    ahead = Ahead(True)
+    order = []
+    gate = threading.Event()
+    ahead.submit("a", lambda: (gate.wait(5), order.append(("a", threading.current_thread()))))
+    ahead.submit("b", lambda: 1 / 0)
+    ahead.submit("c", lambda: order.append(("c", threading.current_thread())))
+    ahead.run("now", lambda: order.append(("now", threading.current_thread())))
+    gate.set()
+    with caplog.at_level(logging.DEBUG, logger="jdqn.train.ahead"):
+        ahead.wait("c")
+        ahead.run("bad", lambda: np.asarray([1])[5])
+    ahead.wait("a")
+    ahead.wait("never submitted")  # returns at once
+    ahead.close()
+    assert [n for n, _ in order] == ["now", "a", "c"]
+    main = threading.current_thread()
+    assert order[0][1] is main and order[1][1] is not main and order[2][1] is order[1][1]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("b ahead failed" in m and "division by zero" in m for m in msgs), msgs
+    assert any("bad ahead failed" in m for m in msgs), msgs
+
+    off = Ahead(False)
+    ran = []
+    off.submit("x", lambda: ran.append(1))
+    off.run("y", lambda: ran.append(2))
+    off.wait("x")
+    off.close()
+    assert ran == []
