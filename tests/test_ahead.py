@@ -153,3 +153,53 @@ def test_tasks_run_in_order_in_the_background_and_a_failure_is_only_logged(caplo
     off.wait("x")
     off.close()
     assert ran == []
+
+
+def test_closing_drops_the_tasks_not_started_and_can_wait_for_the_one_in_progress():
+    ahead = Ahead(True)
+    ran = []
+    gate, started = threading.Event(), threading.Event()
+    ahead.submit("slow", lambda: (started.set(), gate.wait(5), ran.append("slow")))
+    ahead.submit("later", lambda: ran.append("later"))
+    assert started.wait(5)
+    ahead.close()
+    ahead.submit("after", lambda: ran.append("after"))  # closed: not queued
+    gate.set()
+    ahead.wait("later")  # dropped, yet a wait for it returns
+    ahead.wait("after")
+    ahead.close(join=True)
+    assert ran == ["slow"]
+
+
+_FAIL_WHILE_COMPILING = r"""
+import sys, threading, time
+from pathlib import Path
+from jdqn.train.ahead import Ahead
+
+ahead = Ahead(True)
+started = threading.Event()
+
+def compiling():  # stands for an XLA compilation: a second in code that holds no GIL
+    started.set()
+    time.sleep(1.0)
+    Path(sys.argv[1]).write_text("finished")
+
+ahead.submit("compile", compiling)
+started.wait()
+raise RuntimeError("the run failed")
+"""
+
+
+def test_a_process_that_fails_while_compiling_ahead_waits_for_the_compilation_at_exit(
+        tmp_path):
+    # Python finalising while the background thread was inside an XLA compilation aborted the
+    # process after the run's own error (SIGABRT on the CPU, 3 times in 3 with a 400-operation
+    # program; a segmentation fault on the H200 machine): the thread came back into Python
+    # during finalisation. At exit the task in progress is now waited for, then the process
+    # exits with the run's error.
+    marker = tmp_path / "finished"
+    proc = subprocess.run([sys.executable, "-c", _FAIL_WHILE_COMPILING, str(marker)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.rstrip().endswith("RuntimeError: the run failed"), proc.stderr[-2000:]
+    assert marker.read_text() == "finished"

@@ -17,14 +17,21 @@ Only an optimisation: a task that fails is dropped (the real call compiles the p
 and raises there, in context) and logged at debug level. ``JDQN_COMPILE_AHEAD=0`` turns it
 off. One-device, one-process runs only: a data-parallel epoch is placed by a wrapper at its
 call, and a multi-host job's processes must compile in step.
+
+A run that stops early (an error, a safety halt) closes its ``Ahead``: the tasks not yet started
+are dropped, and at interpreter exit the one in progress is waited for (an XLA compilation
+cannot be interrupted, and a thread still inside one when Python finalises crashed the process
+with a segmentation fault on the H200 machine, after the run's own error message).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +47,16 @@ def enabled(n_devices: int) -> bool:
             and jax.process_count() == 1)
 
 
+_LIVE: weakref.WeakSet[Ahead] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Let every background compilation in progress finish before Python finalises."""
+    for ahead in list(_LIVE):
+        ahead.close(join=True)
+
+
 class Ahead:
     """Named compile tasks: :meth:`submit` queues one for the background thread, :meth:`run`
     does one now; :meth:`wait` blocks until a submitted task is done. With ``on=False`` every
@@ -49,18 +66,21 @@ class Ahead:
         self.on = on
         self._done: dict[str, threading.Event] = {}
         self._tasks: queue.SimpleQueue[tuple[str, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._closed = False
         self._thread: threading.Thread | None = None
         if on:
-            # A daemon thread: a run that fails or is interrupted does not wait at exit for a
-            # compilation nobody needs any more.
+            # A daemon thread, so that one never closed cannot keep the process alive; the
+            # exit hook above waits for its compilation in progress.
             self._thread = threading.Thread(target=self._work, name="jdqn-compile-ahead",
                                             daemon=True)
             self._thread.start()
+            _LIVE.add(self)
 
     def _work(self) -> None:
         while (task := self._tasks.get()) is not None:
             name, fn = task
-            self._call(name, fn)
+            if not self._closed:
+                self._call(name, fn)
             self._done[name].set()
 
     @staticmethod
@@ -71,7 +91,7 @@ class Ahead:
             log.debug("compiling %s ahead failed: %s", name, e)
 
     def submit(self, name: str, fn: Callable[[], Any]) -> None:
-        if self.on:
+        if self.on and not self._closed:
             self._done[name] = threading.Event()
             self._tasks.put((name, fn))
 
@@ -85,8 +105,12 @@ class Ahead:
         if done is not None:
             done.wait()
 
-    def close(self) -> None:
-        """Stop the background thread after the tasks already queued (not waited for)."""
-        if self._thread is not None:
+    def close(self, join: bool = False) -> None:
+        """Drop the tasks not yet started and stop the background thread after the one in
+        progress; ``join``: wait for that one."""
+        self._closed = True
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._tasks.put(None)
-            self._thread = None
+            if join:
+                thread.join()

@@ -264,7 +264,7 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     epoch_fn = make_epoch_fn(p.learner)
     env_params = fold_env_params(cfg, p, 0)
     abstract = jax.eval_shape(jax.vmap(lambda k: init_state(p.learner, k, env_params)), keys)
-    ahead = _compile_ahead(cfg, p, epoch_fn, abstract, env_params)
+    ahead = ahead_lib.Ahead(False)
 
     ckpt = None
     if cfg.checkpoint.enabled:
@@ -300,6 +300,9 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
                                quiet=quiet or not primary,
                                resume_epoch=progress["global_epoch"] if resume else None)
         logger.advance(progress["global_epoch"])
+        # Started once the run's folders, logs and any restore are in place, so that an error
+        # there does not wait for a compilation.
+        ahead = _compile_ahead(cfg, p, epoch_fn, abstract, env_params)
         try:
             state, progress = _walk_forward(cfg, p, epoch_fn, keys, state, progress, ckpt,
                                             logger, ahead)
