@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax
 import numpy as np
-from timing import best_of
+from timing import best_of, emit
 
 from jdqn.config import load_config
 from jdqn.evaluate import backtest as bt
@@ -92,12 +88,7 @@ def main() -> None:
                 for f in dataclasses.fields(r):
                     same &= bool(np.array_equal(getattr(r, f.name), getattr(first[name], f.name)))
     res["same_records"] = same
-    res.update(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
-               jax=jax.__version__, python=platform.python_version(),
-               date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
-    print(json.dumps(res))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    emit(res, a.out)
     if not same:
         sys.exit("records differ between chunk lengths")
 

@@ -18,9 +18,6 @@ write itself goes on in orbax's background thread (``save_wait_s``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import shutil
 import sys
 import tempfile
@@ -32,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import best_of
+from timing import best_of, emit
 
 from jdqn.config import load_config
 from jdqn.train import checkpoint as ckpt_lib
@@ -128,12 +125,7 @@ def main() -> None:
     finally:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)
-    res.update(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
-               jax=jax.__version__, python=platform.python_version(),
-               date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
-    print(json.dumps(res))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,21 @@ def seconds_per_call(fn: Callable[..., Any], args: tuple, reps: int) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(loop(*args))
     return (time.perf_counter() - t0) / reps
+
+
+def emit(res: dict, out: str = "") -> None:
+    """Add the device, platform, JAX and Python versions and the UTC date to a benchmark's
+    record, print it as one JSON line and, with ``out``, write it there too."""
+    import datetime as dt
+    import json
+    import platform
+    from pathlib import Path
+
+    import jax
+
+    res.update(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
+               jax=jax.__version__, python=platform.python_version(),
+               date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    print(json.dumps(res))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
