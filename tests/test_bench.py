@@ -13,17 +13,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
+def _bench(tmp_path: Path, script: str, *args: str) -> dict:
+    """Run ``bench/<script>`` with ``args`` and ``--out``: its printed JSON record, which the
+    ``--out`` file must hold too, complete."""
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "train.py"), "--quick", "--batches", "64",
-         "--repeats", "1", "--skip-epoch", "--skip-collect",
-         "--pallas-kernels", "projection,iqn", "--out", str(out)],
-        check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--out",
+                           str(out)], check=False, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert printed == json.loads(out.read_text())  # --out holds the same, complete record
+    assert printed == json.loads(out.read_text())
+    return printed
+
+
+@pytest.mark.slow
+def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
+    printed = _bench(tmp_path, "train.py", "--quick", "--batches", "64", "--repeats", "1",
+                     "--skip-epoch", "--skip-collect", "--pallas-kernels", "projection,iqn")
     assert printed["complete"] and printed["pallas_kernels"] == ["iqn", "projection"]
     # gpu.toml: online at s, then online + target paired at s′ (float32)
     assert printed["fuse_next_obs"] is False and printed["next_state_twin"] is True
@@ -54,15 +60,9 @@ def test_profile_summary_counts_each_devices_busy_time_once():
 
 
 def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--config",
-         str(REPO / "configs" / "quickstart.toml"), "--set", "train.replay_capacity=2000",
-         "--set", "env.n_envs=16", "--repeats", "1", "--out", str(out)],
-        check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert printed == json.loads(out.read_text())
+    printed = _bench(tmp_path, "checkpoint.py", "--config",
+                     str(REPO / "configs" / "quickstart.toml"), "--set",
+                     "train.replay_capacity=2000", "--set", "env.n_envs=16", "--repeats", "1")
     assert printed["replay_capacity"] == 2000 and printed["state_bytes"] > 2000 * 68
     assert printed["checksum_groups"] == 1  # this state's leaves are all small: one pass
     # The replay is filled with random bits, so the files are as large as a trained run's.
@@ -219,15 +219,9 @@ def test_xla_flags_sweep_keeps_failures_and_brackets_the_base(tmp_path, monkeypa
 
 
 def test_backtest_bench_compares_chunk_lengths_on_the_same_records(tmp_path):
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "backtest.py"), "--config",
-         str(REPO / "configs" / "quickstart.toml"), "--set", "data.synthetic.n_bars=6000",
-         "--chunks", "64,0", "--repeats", "1", "--out", str(out)],
-        check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert printed == json.loads(out.read_text())
+    printed = _bench(tmp_path, "backtest.py", "--config",
+                     str(REPO / "configs" / "quickstart.toml"), "--set",
+                     "data.synthetic.n_bars=6000", "--chunks", "64,0", "--repeats", "1")
     assert printed["same_records"] is True
     chunked, whole = printed["rows"]
     assert chunked["chunk"] == 64 and whole["chunk"] == 0
