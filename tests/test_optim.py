@@ -13,6 +13,7 @@ import pytest
 
 from jdqn.config import TrainConfig
 from jdqn.train.optim import (
+    adam_state,
     learning_rate,
     lr_multiplier,
     make_optimizer,
@@ -75,9 +76,44 @@ def test_gradients_are_clipped_by_global_norm():
     p = {"w": jnp.zeros((2, 2))}
     opt = make_optimizer(cfg, p)
     st = opt.init(p)
-    clip_only = opt.update({"w": jnp.full((2, 2), 100.0)}, st, p)[1].inner_state[1].mu["w"]
+    clip_only = adam_state(opt.update({"w": jnp.full((2, 2), 100.0)}, st, p)[1]).mu
     # Adam's first moment after one step = (1 − b1)·clipped grad; clipped grad has norm 1.
-    np.testing.assert_allclose(clip_only, 0.1 * 0.5 * np.ones((2, 2)), rtol=1e-5)
+    np.testing.assert_allclose(clip_only, 0.1 * 0.5 * np.ones(4), rtol=1e-5)
+
+
+def test_the_flat_optimizer_is_optaxs_per_leaf_chain():
+    """Clip and Adam run on the concatenated parameters (one vector, few compiled loops); the
+    updates are those of optax's own per-leaf chain with the same rules — the weight-decay mask
+    kept per leaf (Dense kernels decayed, biases and the LayerNorm not) — over steps that clip
+    and steps that do not, through the warm-up into the cosine."""
+    params = _params()
+    opt = make_optimizer(CFG, params)
+    ref = optax.chain(
+        optax.clip_by_global_norm(CFG.clip_norm), optax.scale_by_adam(),
+        optax.add_decayed_weights(CFG.weight_decay, mask=weight_decay_mask),
+        optax.scale_by_schedule(lambda n: -CFG.lr * lr_multiplier(CFG, n)))
+    rng = np.random.default_rng(0)
+    p_ours, p_ref = params, params
+    s_ours, s_ref = opt.init(params), ref.init(params)
+    for i in range(25):
+        scale = 10.0 if i % 3 == 0 else 0.01  # above and below clip_norm = 1
+        g = jax.tree.map(lambda x, s=scale: jnp.asarray(rng.normal(size=x.shape) * s, x.dtype),
+                         params)
+        u_ours, s_ours = opt.update(g, s_ours, p_ours)
+        u_ref, s_ref = ref.update(g, s_ref, p_ref)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-9),
+                     u_ours, u_ref)
+        p_ours, p_ref = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_ref, u_ref)
+    assert jax.tree.structure(u_ours) == jax.tree.structure(params)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    moments = adam_state(s_ours)
+    assert moments.mu.shape == moments.nu.shape == (n,) and int(moments.count) == 25
+    np.testing.assert_allclose(moments.mu, jnp.concatenate(
+        [x.ravel() for x in jax.tree.leaves(s_ref[1].mu)]), rtol=2e-5, atol=1e-9)
+    # The mask reached the decay: a kernel moved by weight decay, a bias did not.
+    decay_only = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)[0]
+    assert float(jnp.abs(decay_only["Dense_0"]["kernel"]).max()) > 0
+    assert float(jnp.abs(decay_only["Dense_0"]["bias"]).max()) == 0
 
 
 def test_flat_global_norm_clip_matches_optax():

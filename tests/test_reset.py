@@ -12,7 +12,7 @@ import pytest
 from flax import struct
 
 from jdqn.config import TrainConfig
-from jdqn.train.optim import make_optimizer, opt_state_reset_rules
+from jdqn.train.optim import adam_state, make_optimizer, opt_state_reset_rules
 from jdqn.train.reset import (
     CopyFrom,
     Fill,
@@ -124,7 +124,7 @@ def test_each_rule_does_what_it_says():
     assert not bool(new.nan_flag)
     assert new.iqn_target is None
     # Optimiser: moments and counts zeroed, learning rate kept.
-    adam = new.opt_state.inner_state[1]
+    adam = adam_state(new.opt_state)
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves((adam.mu, adam.nu)))
     assert int(new.opt_state.count) == 0 and int(adam.count) == 0
     assert float(new.opt_state.hyperparams["base_lr"]) == pytest.approx(1e-3)

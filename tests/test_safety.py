@@ -48,6 +48,22 @@ def test_finite_flags_in_name_order():
     np.testing.assert_array_equal(np.asarray(flags), [True, True, False, True, False])
 
 
+@pytest.mark.parametrize("bad", [None, ("a", 0, np.nan), ("b", 3, np.inf), ("c", 7, -np.inf),
+                                 ("c", 0, np.nan)])
+def test_every_floating_leaf_of_every_dtype_is_checked(bad):
+    """A tensor's leaves are checked as one reduction per dtype over their concatenation: a bad
+    value anywhere in any floating leaf (float32, bfloat16, float16; first or last element)
+    flags the tensor; integer, bool and key leaves are skipped."""
+    tree = {"a": jnp.ones((3, 4), jnp.float32), "b": jnp.ones((4,), jnp.bfloat16),
+            "c": jnp.ones((2, 4), jnp.float16), "i": jnp.arange(5), "m": jnp.array([True]),
+            "k": jax.random.key(0), "e": jnp.zeros((0,), jnp.float32)}
+    if bad is not None:
+        name, i, v = bad
+        tree[name] = tree[name].reshape(-1).at[i].set(v).reshape(tree[name].shape)
+    flags = finite_flags({"t": tree, "ints": {"i": jnp.arange(3)}, "empty": {}})
+    np.testing.assert_array_equal(np.asarray(flags), [bad is None, True, True])
+
+
 def test_a_nan_in_one_tensor_is_reported_by_name_and_step():
     mon = _run({"grads": 37})
     with pytest.raises(TrainingHalted, match=r"non-finite values in 'grads' at step 37 of fold 1$"):
