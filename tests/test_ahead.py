@@ -109,6 +109,7 @@ def test_programs_compiled_ahead_are_the_ones_the_calls_use():
         compile_baselines(env, cfg.eval, lo=lo, hi=hi)
         ck_lib.compile_checksums(abstract)
         job_lib._select_best.lower(abstract, jax.ShapeDtypeStruct((2,), jnp.bool_)).compile()
+        job_lib._reset_fn(p.learner).lower(abstract, abstract).compile()
 
     def calls():
         got = job_lib.evaluate_params(cfg, p, env, seed0, lo, hi)
@@ -116,12 +117,34 @@ def test_programs_compiled_ahead_are_the_ones_the_calls_use():
         assert got.n_bars == rnd.n_bars == hi - lo - 1
         run_baselines(env, cfg.eval, lo=lo, hi=hi)
         ck_lib.leaf_checksums(ck_lib._encode_keys(state))
-        job_lib._select_best(state, jnp.asarray([True, False]))
+        best = job_lib._select_best(state, jnp.asarray([True, False]))
+        job_lib._fold_state(p, best, env, 1, keys)  # init (compiled above) and the reset
 
+    job_lib._reset_fn.cache_clear()
     before = _compiled_during(ahead)
     assert sorted(n for n in before if n in ours) == sorted(
         ["jit(_scan)"] * 3 + ["jit(_begin)"] * 2 + ["jit(_checksum_lanes)", "jit(_select_best)"])
-    assert [n for n in _compiled_during(calls) if n in ours] == []
+    assert "jit(<lambda>)" in before  # the reset
+    assert [n for n in _compiled_during(calls) if n in ours or n == "jit(<lambda>)"] == []
+
+
+def test_the_job_compiles_the_fold_reset_ahead_when_it_has_several_folds(monkeypatch):
+    from jdqn.train import ahead as ahead_lib
+    from jdqn.train import job as job_lib
+    from jdqn.train.state import init_state, seed_keys
+
+    names = []
+    monkeypatch.setattr(ahead_lib.Ahead, "submit", lambda self, name, fn: names.append(name))
+    monkeypatch.setattr(ahead_lib.Ahead, "run", lambda self, name, fn: names.append(name))
+    for folds, want in ((2, True), (1, False)):
+        cfg = tiny_config(f"train.n_folds={folds}")
+        p = job_lib.prepare(cfg)
+        env = job_lib.fold_env_params(cfg, p, 0)
+        abstract = jax.eval_shape(jax.vmap(lambda k, p=p, env=env: init_state(p.learner, k, env)),
+                                  seed_keys(cfg.train.seeds))
+        names.clear()
+        job_lib._compile_ahead(cfg, p, job_lib.make_epoch_fn(p.learner), abstract, env).close()
+        assert ("reset" in names) is want and names[:2] == ["epoch", "baselines"], names
 
 
 def test_tasks_run_in_order_in_the_background_and_a_failure_is_only_logged(caplog):

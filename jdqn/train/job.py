@@ -325,9 +325,9 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
 def _compile_ahead(cfg: Config, p: Prepared, epoch_fn, abstract: TrainState,
                    env_params: env_core.EnvParams) -> ahead_lib.Ahead:
     """Start compiling the run's programs from their shapes (:mod:`jdqn.train.ahead`): the
-    epoch and the baselines' backtest in the background, the validation backtest, the best-
-    parameters selection and the checkpoint checksums now. Every fold's programs are these
-    (the same shapes; a resume too)."""
+    epoch, the baselines' backtest and the fold boundary's reset in the background, the
+    validation backtest, the best-parameters selection and the checkpoint checksums now. Every
+    fold's programs are these (the same shapes; a resume too)."""
     ahead = ahead_lib.Ahead(ahead_lib.enabled(p.learner.n_devices))
     if not ahead.on:
         return ahead
@@ -341,6 +341,9 @@ def _compile_ahead(cfg: Config, p: Prepared, epoch_fn, abstract: TrainState,
     lo, hi = p.plan.test
     ahead.submit("baselines", lambda: compile_baselines(
         env_core.with_window(env_params, lo, hi, training=False), cfg.eval, lo=lo, hi=hi))
+    reset = getattr(_reset_fn(p.learner), "lower", None)
+    if len(p.plan.folds) > 1 and reset is not None:  # the fold boundary's reset program
+        ahead.submit("reset", lambda: reset(abstract, abstract).compile())
     val = p.plan.folds[0].val
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract.params)
     ahead.run("validation", lambda: compile_rollout(
@@ -405,6 +408,8 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
         val_params = env_core.with_window(env_params, *fold.val, training=False)
         train_env = parallel.replicate(env_params, p.learner.n_devices)  # once per fold
         if progress["fold"] != f or progress["fold_done"] or state is None:
+            if ahead is not None and state is not None:
+                ahead.wait("reset")  # its program, compiling in the background
             state = _fold_state(p, state, env_params, f, keys)
             progress.update(fold=f, epoch=-1, fold_done=False, best_val=[None] * n_seeds,
                             best_val_metrics=[None] * n_seeds, bad_epochs=[0] * n_seeds,
