@@ -201,7 +201,7 @@ def test_the_next_fold_starts_from_the_best_validation_params():
 def test_a_seed_trains_the_same_beside_seeds_that_stop_at_other_epochs(tmp_path):
     """Early stopping is per seed: a seed out of patience is frozen while the others go on, so
     seed 0's run — epochs per fold, validation, test — is bitwise the same beside seed 3 as
-    beside seed 5, which stop at other epochs (so the folds last different numbers of epochs and
+    beside seed 1, which stop at other epochs (so the folds last different numbers of epochs and
     seed 0 sits frozen through different stretches). Both are the same two-seed program: alone,
     seed 0 runs the unvmapped one-seed program, the same function but not the same bits on every
     CPU (docs/training.md, "Walk-forward")."""
@@ -210,10 +210,10 @@ def test_a_seed_trains_the_same_beside_seeds_that_stop_at_other_epochs(tmp_path)
     alone = job_lib.run_job(tiny_config("train.seeds=[0]", *common), tmp_path / "a", quiet=True)
     both = job_lib.run_job(tiny_config("train.seeds=[0, 3]", *common), tmp_path / "b",
                            quiet=True)
-    beside5 = job_lib.run_job(tiny_config("train.seeds=[0, 5]", *common), tmp_path / "c",
+    beside1 = job_lib.run_job(tiny_config("train.seeds=[0, 1]", *common), tmp_path / "c",
                               quiet=True)
     other = json.loads((tmp_path / "b" / "seeds" / "seed_3" / "report.json").read_text())
-    other5 = json.loads((tmp_path / "c" / "seeds" / "seed_5" / "report.json").read_text())
+    other1 = json.loads((tmp_path / "c" / "seeds" / "seed_1" / "report.json").read_text())
     # The multi-seed report folder: the top report is seed 0's, seed 3's has its own folder,
     # and seeds.json holds both seeds' test metrics.
     assert json.loads((tmp_path / "b" / "report.json").read_text()) == both
@@ -225,16 +225,18 @@ def test_a_seed_trains_the_same_beside_seeds_that_stop_at_other_epochs(tmp_path)
     assert "## Across seeds" in (tmp_path / "b" / "summary.md").read_text()
     assert not (tmp_path / "a" / "seeds.json").exists()  # one seed: no summary
     assert alone["extra"]["seed"] == 0 and alone["baselines"] == both["baselines"]
-    for r in (both, beside5):
+    for r in (both, beside1):
         r["extra"].pop("wall_seconds")
         r["extra"].pop("seeds")
-    assert both["folds"] == beside5["folds"] and both["test"] == beside5["test"]
+    assert both["folds"] == beside1["folds"] and both["test"] == beside1["test"]
     assert ((tmp_path / "b" / "returns.csv").read_bytes()
             == (tmp_path / "c" / "returns.csv").read_bytes())
     # The setting is one where the seeds stop at different epochs (else it proves nothing):
-    # seeds 3 and 5 train other numbers of epochs than seed 0 and than each other, so seed 0
-    # is frozen while the other trains, for different stretches in the two runs.
-    epochs = [[f["epochs"] for f in r["folds"]] for r in (both, other, other5)]
+    # seeds 3 and 1 train other numbers of epochs than seed 0 and than each other, so seed 0
+    # is frozen while the other trains, for different stretches in the two runs. (The pair
+    # was 3 and 5 until the optimiser and exploration changes of 2026-12-02 moved the
+    # trajectories: 5 then stopped where 3 did.)
+    epochs = [[f["epochs"] for f in r["folds"]] for r in (both, other, other1)]
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2], epochs
     for run in ("b", "c"):
         recs = [json.loads(x)
