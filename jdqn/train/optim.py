@@ -119,11 +119,8 @@ def make_optimizer(cfg: TrainConfig, params: PyTree | None = None,
     def factory(base_lr: jax.Array, weight_decay: jax.Array,
                 clip_norm: jax.Array) -> optax.GradientTransformation:
         return optax.chain(
-            # On one vector (the leaves concatenated): Adam's moments are two flat f32 [P]
-            # leaves, so clip + Adam are a few fused loops instead of several per parameter
-            # leaf (XLA's CPU backend does not merge independent loops across leaves).
-            optax.flatten(optax.chain(clip_by_global_norm(clip_norm),
-                                      optax.scale_by_adam(b1=b1, b2=b2, eps=eps))),
+            optax.flatten(optax.chain(  # on the leaves concatenated (see the docstring)
+                clip_by_global_norm(clip_norm), optax.scale_by_adam(b1=b1, b2=b2, eps=eps))),
             optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
             optax.scale_by_schedule(lambda count: -base_lr * lr_multiplier(cfg, count)),
         )
