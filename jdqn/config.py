@@ -209,6 +209,11 @@ class ModelConfig:
     iqn_embed: int = fld(64, ge=1)  # cosine basis functions
     iqn_n: int = fld(8, ge=1)  # online quantile samples N
     iqn_n_prime: int = fld(8, ge=1)  # target quantile samples N'
+    # IQN fractions τ: "batch" = one set of N (and N′) per update, shared by every sample (as
+    # Dopamine's JAX IQN agent draws them), so the head folds φ(τ) into its first layer's
+    # weights and never forms the [B, N, H] modulated features; "sample" = N per sample
+    # (Dabney et al. 2018). docs/model.md, "IQN fractions".
+    iqn_taus: Literal["batch", "sample"] = "batch"
     # "bfloat16" = mixed precision: bf16 matmul inputs and stored activations, float32
     # accumulation, bias adds, logits, gate and losses (docs/model.md, "Precision").
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -213,3 +213,11 @@ def test_relative_data_path_in_two_places_is_refused(tmp_path, monkeypatch):
         load_config(str(cfg))
     (cwd / "rel.csv").unlink()  # only the config's folder has it: taken from there
     assert load_config(str(cfg)).data.path == str(cfgdir / "rel.csv")
+
+
+def test_iqn_fractions_mode_is_checked():
+    assert config_from_dict({}).model.iqn_taus == "batch"
+    assert config_from_dict({"model": {"iqn_taus": "sample"}}).model.iqn_taus == "sample"
+    with pytest.raises(ConfigError, match=r"model.iqn_taus = 'row' is not allowed; allowed "
+                                          r"values: 'batch', 'sample'"):
+        config_from_dict({"model": {"iqn_taus": "row"}})

@@ -402,6 +402,35 @@ def test_total_loss_shapes_components_and_importance_weights(online, target):
     assert moe_state.entropy_ema.shape == ()
 
 
+@pytest.mark.parametrize("mode", ["batch", "sample"])
+def test_iqn_fractions_come_from_the_loss_key_shared_or_per_sample(online, target, mode):
+    """ModelConfig.iqn_taus: "batch" draws one [N] set (and one [N′]) from the update's key for
+    every sample, "sample" draws [B, N]; the IQN term is the batch loss at exactly those
+    fractions (rebuilt here from the key: online quantiles at s, target quantiles at s′, the
+    online network's expected Q at s′ selecting the next action)."""
+    from jdqn.losses.batch import branching_iqn_loss_batch
+
+    cfg = dataclasses.replace(SMALL, iqn_taus=mode)
+    net = BranchingQNetwork(cfg, FLOW)
+    batch, key = _batch(), jax.random.key(7)
+    _, (comp, _, _, _) = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))(
+        online, target, batch, key, init_moe_state(3), 0.5)
+    k_online, k_target = jax.random.split(key)
+    rows = () if mode == "batch" else (B,)
+    taus = jax.random.uniform(k_online, (*rows, cfg.iqn_n))
+    taus_prime = jax.random.uniform(k_target, (*rows, cfg.iqn_n_prime))
+    taus_b = jnp.broadcast_to(taus, (B, cfg.iqn_n))
+    per_row = BranchingQNetwork(dataclasses.replace(cfg, iqn_taus="sample"), FLOW)
+    quantiles = per_row.apply(online, batch.obs, taus_b).quantiles
+    target_q = per_row.apply(target, batch.next_obs,
+                             jnp.broadcast_to(taus_prime, (B, cfg.iqn_n_prime))).quantiles
+    selector = per_row.apply(online, batch.next_obs).q
+    iqn = branching_iqn_loss_batch(quantiles, taus_b, batch.action, batch.reward,
+                                   batch.discount, target_q, selector, cfg.v_min, cfg.v_max)
+    np.testing.assert_allclose(comp["iqn"], jnp.mean(jnp.mean(iqn, axis=1)), rtol=1e-5)
+    assert float(comp["iqn"]) > 0
+
+
 def test_fused_and_separate_next_obs_forward_agree(online, target):
     """Values and gradients: one online forward over [s; s′] (fused) against the separate one
     at s with the twin online/target forward at s′ (next_state_forwards)."""

@@ -466,6 +466,68 @@ def test_iqn_head_equals_the_textbook_dueling_quantiles():
         _assert_same_values_and_grads(lambda p: head.apply(p, h, taus), reference, params)
 
 
+def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions():
+    """taus [Q] (one set for every row): the modulation folded into the first layer's weights
+    gives the per-row head's values and gradients at the fractions broadcast to every row —
+    w.r.t. every parameter and the trunk feature h."""
+    from jdqn.networks.heads import IQNHead, iqn_features_shared
+
+    head = IQNHead(SMALL.branch_sizes, SMALL.iqn_embed, SMALL.head_hidden)
+    k = jax.random.split(jax.random.key(6), 3)
+    with x64():
+        h = jax.random.normal(k[0], (7, SMALL.width), jnp.float64)
+        taus = jax.random.uniform(k[1], (5,), jnp.float64)
+        rows = jnp.broadcast_to(taus, (7, 5))
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, rows))
+        params = jax.tree.map(lambda x: x + 0.1 * jnp.arange(x.size).reshape(x.shape) % 0.7,
+                              params)  # non-zero biases, some φ units off (relu)
+        _assert_same_values_and_grads(lambda p: head.apply(p, h, taus),
+                                      lambda p: head.apply(p, h, rows), params)
+        ct = [jax.random.normal(jax.random.key(20 + i), (7, a, 5), jnp.float64)
+              for i, a in enumerate(SMALL.branch_sizes)]
+
+        def dh(t):
+            return jax.grad(lambda x: sum(jnp.vdot(c, q) for c, q in zip(
+                ct, head.apply(params, x, t), strict=True)))(h)
+
+        np.testing.assert_allclose(dh(taus), dh(rows), rtol=1e-12, atol=1e-12)
+        # the shared form never builds a [B, Q, H] tensor: its largest is the [B, Q, F] layer
+        p = params["params"]
+        jaxpr = jax.make_jaxpr(lambda x: iqn_features_shared(
+            x, taus, *(p[n][w] for n in ("tau_embed", "fc", "out") for w in ("kernel", "bias")),
+            "float32"))(h)
+        shapes = {tuple(v.aval.shape) for e in all_eqns(jaxpr.jaxpr) for v in e.outvars}
+        assert (7, 5, SMALL.width) not in shapes and (7, 5, SMALL.head_hidden) in shapes
+
+
+def test_network_takes_shared_fractions_for_the_first_rows(params):
+    obs = _obs(6)
+    taus = jax.random.uniform(jax.random.key(3), (4,))
+    part = jax.jit(NET.apply, static_argnames="tau_rows")(params, obs, taus,
+                                                          tau_rows=2).quantiles
+    rows = APPLY(params, obs[:2], jnp.broadcast_to(taus, (2, 4))).quantiles
+    every = APPLY(params, obs, taus).quantiles
+    for a, b, c in zip(part, rows, every, strict=True):
+        chex.assert_shape(a, (2, b.shape[1], 4))
+        chex.assert_shape(c, (6, b.shape[1], 4))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(c[:2], b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tau_rows = 3 but taus has 2 rows"):
+        NET.apply(params, obs, jnp.broadcast_to(taus, (2, 4)), tau_rows=3)
+    with pytest.raises(ValueError, match=r"taus must be \[Q\] or \[B, Q\]"):
+        NET.apply(params, obs, jnp.zeros((2, 2, 4)))
+
+
+def test_shared_fractions_under_bf16_track_the_float32_head(params):
+    taus = jax.random.uniform(jax.random.key(4), (3,))
+    obs = _obs()
+    got = APPLY16(params, obs, taus).quantiles
+    want = APPLY(params, obs, jnp.broadcast_to(taus, (B, 3))).quantiles
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, w, rtol=0.05, atol=0.05 * float(jnp.max(jnp.abs(w))))
+
+
 def test_fused_head_in_bf16_tracks_the_float32_reference():
     from jdqn.networks.heads import DuelingBranchingHead
 

@@ -260,7 +260,11 @@ def test_iqn_kernel_refuses_other_dtypes_and_empty_batches():
         iqn_features_pallas(args[0][:0], args[1][:0], *args[2:], "float32", True)
 
 
-def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeypatch):
+@pytest.mark.parametrize("taus", ["sample", "batch"])
+def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeypatch, taus):
+    """Per-sample fractions: the target network's quantiles go through the fused IQN kernel,
+    the online ones do not. Fractions shared by the batch: no kernel (there is no per-row
+    ``[B·Q, H]`` stack to fuse; the head folds φ(τ) into its weights)."""
     from jdqn.losses import Batch
     from jdqn.networks import model as model_module
     from jdqn.pallas import iqn as iqn_module
@@ -273,7 +277,7 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
     monkeypatch.setattr(model_module, "use_pallas", lambda impl, kernel: kernel == "iqn")
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4, iqn_n_prime=4,
-                      impl="xla")
+                      iqn_taus=taus, impl="xla")
     net = BranchingQNetwork(cfg)
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
@@ -283,6 +287,9 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
                   reward=jnp.ones((b,)), discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
     jax.grad(lambda p: total_loss(p, target, batch, k[4], init_moe_state(3), 0.5, net=net,
                                   train_cfg=TrainConfig())[0])(params)
+    if taus == "batch":
+        assert seen == []
+        return
     (we,) = seen  # one kernel call, with the target network's weights
     np.testing.assert_array_equal(we, target["params"]["iqn"]["tau_embed"]["kernel"])
 

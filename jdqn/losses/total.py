@@ -137,13 +137,15 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     b = batch.obs.shape[0]
     k_online, k_target = jax.random.split(key)
     taus = taus_prime = None
-    if cfg.iqn:
-        taus = jax.random.uniform(k_online, (b, cfg.iqn_n), jnp.float32)
-        taus_prime = jax.random.uniform(k_target, (b, cfg.iqn_n_prime), jnp.float32)
+    if cfg.iqn:  # [N] shared by the batch, or [B, N] per sample (ModelConfig.iqn_taus)
+        rows = () if cfg.iqn_taus == "batch" else (b,)
+        taus = jax.random.uniform(k_online, (*rows, cfg.iqn_n), jnp.float32)
+        taus_prime = jax.random.uniform(k_target, (*rows, cfg.iqn_n_prime), jnp.float32)
 
     # Online network at s (with gradient) and at s′ (action selection only); target at s′.
     if cfg.fuse_next_obs:
-        both = net.apply(params, jnp.concatenate([batch.obs, batch.next_obs], axis=0), taus)
+        both = net.apply(params, jnp.concatenate([batch.obs, batch.next_obs], axis=0), taus,
+                         tau_rows=b)
         online, online_next = _rows(both, slice(0, b)), _rows(both, slice(b, 2 * b))
         target = net.apply(target_params, batch.next_obs, taus_prime, grad_free=True)
     else:
@@ -167,7 +169,8 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
 
     iqn_loss = jnp.zeros((), td_loss.dtype)
     if cfg.iqn:
-        iqn = branching_iqn_loss_batch(online.quantiles, taus, batch.action, batch.reward,
+        taus_b = jnp.broadcast_to(taus, (b, cfg.iqn_n))  # each sample's fractions
+        iqn = branching_iqn_loss_batch(online.quantiles, taus_b, batch.action, batch.reward,
                                        batch.discount, target.quantiles, online_next.q,
                                        cfg.v_min, cfg.v_max)  # [B, D]
         iqn_loss = jnp.mean(w * jnp.mean(iqn, axis=1))

@@ -59,10 +59,13 @@ def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
 
 
 class BranchingQNetwork(nn.Module):
-    """``apply(params, obs [B, W], taus [B_τ, Q] | None, grad_free=False) -> NetOutput``.
+    """``apply(params, obs [B, W], taus [B_τ, Q] | [Q] | None, grad_free=False, tau_rows=None)
+    -> NetOutput``.
 
-    ``taus`` may cover only the first ``B_τ ≤ B`` rows of ``obs``: the loss runs one forward over
-    the concatenated ``[s; s′]`` batch and needs quantiles at ``s`` only. ``flow_idx`` are the
+    ``taus [B_τ, Q]`` are fractions per row and may cover only the first ``B_τ ≤ B`` rows of
+    ``obs``: the loss runs one forward over the concatenated ``[s; s′]`` batch and needs
+    quantiles at ``s`` only. ``taus [Q]`` are one set of fractions shared by the first
+    ``tau_rows`` rows (default: all; ``ModelConfig.iqn_taus = "batch"``). ``flow_idx`` are the
     static column indices of the order-flow features in the observation. ``grad_free=True``
     declares that no gradient will be taken through this call (the target network): it may then
     use kernels whose backward pass is a recomputation (the fused IQN stack, when
@@ -78,7 +81,7 @@ class BranchingQNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array, taus: Array | None = None,
-                 grad_free: bool = False) -> NetOutput:
+                 grad_free: bool = False, tau_rows: int | None = None) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
                       c.matmul_dtype, c.impl, name="trunk")(obs)
@@ -90,7 +93,15 @@ class BranchingQNetwork(nn.Module):
         if taus is not None:
             if not c.iqn:
                 raise ValueError("taus given but ModelConfig.iqn is false (no IQN head)")
-            quantiles = _iqn_head(c, grad_free, name="iqn")(trunk.h[: taus.shape[0]], taus)
+            if taus.ndim == 2:
+                rows = taus.shape[0]
+                if tau_rows is not None and tau_rows != rows:
+                    raise ValueError(f"tau_rows = {tau_rows} but taus has {rows} rows")
+            elif taus.ndim == 1:
+                rows = obs.shape[0] if tau_rows is None else tau_rows
+            else:
+                raise ValueError(f"taus must be [Q] or [B, Q], got shape {taus.shape}")
+            quantiles = _iqn_head(c, grad_free, name="iqn")(trunk.h[:rows], taus)
         return NetOutput(
             logits=logits,
             q=tuple(expected_q(lg, support) for lg in logits),
@@ -124,7 +135,7 @@ def init_params_batched(net: BranchingQNetwork, keys: Array, obs_width: int) -> 
 def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Array,
                   grad_free: bool = False) -> tuple[Array, ...]:
     """The IQN head alone on trunk features ``[B, H]`` (``NetOutput.features``) at ``taus
-    [B, Q]``: per branch ``[B, A_d, Q]``, the same values as ``net.apply(params, obs,
+    [B, Q]`` or ``[Q]`` (shared by every row): per branch ``[B, A_d, Q]``, the same values as ``net.apply(params, obs,
     taus).quantiles`` for the features of ``obs``. ``grad_free`` as in
     :class:`BranchingQNetwork`."""
     c = net.cfg
@@ -134,7 +145,7 @@ def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Ar
 
 
 def quantiles(net: BranchingQNetwork, params: Any, obs: Array, taus: Array) -> tuple[Array, ...]:
-    """IQN quantile values per branch ``[B, A_d, Q]`` at ``taus [B, Q]``."""
+    """IQN quantile values per branch ``[B, A_d, Q]`` at ``taus [B, Q]`` or ``[Q]``."""
     return net.apply(params, obs, taus).quantiles
 
 
