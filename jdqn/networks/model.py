@@ -174,10 +174,12 @@ def count_params(cfg: ModelConfig, obs_width: int, flow_idx: tuple[int, ...] = (
 
 
 def flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0,
-                     n_quantiles: int = 0) -> int:
+                     n_quantiles: int = 0, shared_taus: bool = False) -> int:
     """Analytic forward matmul FLOPs (2 per multiply-add) for one observation, with the IQN head
     evaluated at ``n_quantiles`` τ samples (0 = no IQN). Elementwise ops, norms and softmaxes are
-    left out (they are < 2 % of the total at the default sizes)."""
+    left out (they are < 2 % of the total at the default sizes). ``shared_taus``: the fractions
+    are shared by the batch (``ModelConfig.iqn_taus = "batch"``), so the τ embedding's matmul
+    runs once per batch, not per observation, and is not counted."""
     w, h, k, e, g = obs_width, cfg.width, cfg.n_experts, cfg.expert_hidden, cfg.gate_hidden
     hh, z, sizes = cfg.head_hidden, cfg.n_atoms, cfg.branch_sizes
     macs = w * w + w * h  # variable selection, projection
@@ -186,7 +188,8 @@ def flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0,
     macs += h * hh + hh * z  # value stream
     extra_in = (0, sizes[0], n_flow, n_flow)  # direction Q conditioning, order-flow features
     macs += sum((h + x) * hh + hh * a * z for a, x in zip(sizes, extra_in, strict=True))
-    macs += n_quantiles * (cfg.iqn_embed * h + h * hh + hh * (1 + sum(sizes)))
+    macs += n_quantiles * ((0 if shared_taus else cfg.iqn_embed * h) + h * hh
+                           + hh * (1 + sum(sizes)))
     return 2 * macs
 
 
@@ -195,9 +198,10 @@ def train_flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0) ->
     (with N quantiles) × 3 for forward + backward, online forward at s′ (action selection) and
     target forward at s′ (with N′ quantiles). Work wasted on zero cotangents is not counted."""
     n, n_prime = (cfg.iqn_n, cfg.iqn_n_prime) if cfg.iqn else (0, 0)
-    return (3 * flops_per_sample(cfg, obs_width, n_flow, n)
+    shared = cfg.iqn_taus == "batch"
+    return (3 * flops_per_sample(cfg, obs_width, n_flow, n, shared)
             + flops_per_sample(cfg, obs_width, n_flow, 0)
-            + flops_per_sample(cfg, obs_width, n_flow, n_prime))
+            + flops_per_sample(cfg, obs_width, n_flow, n_prime, shared))
 
 
 def decay_mask(params: Any) -> Any:
