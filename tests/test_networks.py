@@ -472,6 +472,43 @@ def test_iqn_head_equals_the_textbook_dueling_quantiles():
         _assert_same_values_and_grads(lambda p: head.apply(p, h, taus), reference, params)
 
 
+@pytest.mark.parametrize("width", [16, 24])
+def test_grn_block_is_the_textbook_three_layer_grn(width):
+    """The GRN block applies its ``fc`` and ``glu`` layers as one product of their weights; it
+    must equal TFT's GRN (Lim et al. 2021, eq. 2–5) written with three separate dense layers,
+    values and gradients w.r.t. every parameter and the input, in float64."""
+    from jdqn.networks.trunk import GRNBlock
+
+    block = GRNBlock(width)
+    k = jax.random.split(jax.random.key(13), 2)
+    with x64():
+        x = jax.random.normal(k[0], (9, width), jnp.float64)
+        params = jax.tree.map(lambda a: a.astype(jnp.float64), block.init(k[1], x))
+        params = jax.tree.map(lambda a: a + 0.1 * jnp.arange(a.size).reshape(a.shape) % 0.7,
+                              params)  # non-zero biases and norm offsets
+
+        def textbook(p, x):
+            p = p["params"]
+
+            def dense(name, v):
+                return v @ p[name]["kernel"] + p[name]["bias"]
+
+            eta2 = jax.nn.elu(dense("fc_elu", x))
+            eta1 = dense("fc", eta2)
+            gate, value = jnp.split(dense("glu", eta1), 2, axis=-1)
+            y = x + jax.nn.sigmoid(gate) * value
+            mu = y.mean(-1, keepdims=True)
+            var = ((y - mu) ** 2).mean(-1, keepdims=True)
+            return (y - mu) / jnp.sqrt(var + 1e-6) * p["norm"]["scale"] + p["norm"]["bias"]
+
+        _assert_same_values_and_grads(lambda p: (block.apply(p, x),),
+                                      lambda p: (textbook(p, x),), params)
+        ct = jax.random.normal(jax.random.key(3), x.shape, jnp.float64)
+        dx = [jax.grad(lambda v, f=f: jnp.vdot(ct, f(v)))(x)
+              for f in (lambda v: block.apply(params, v), lambda v: textbook(params, v))]
+        np.testing.assert_allclose(dx[0], dx[1], rtol=1e-10, atol=1e-12)
+
+
 def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions():
     """taus [Q] (one set for every row): the modulation folded into the first layer's weights
     gives the per-row head's values and gradients at the fractions broadcast to every row —
