@@ -159,9 +159,18 @@ def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
     hlo = jax.jit(lambda s: epoch_lib.train_step(p.learner, s, env_params,
                                                  jnp.asarray(0, jnp.int32))).lower(one).as_text()
     assert sum(dots.values()) == hlo.count("stablehlo.dot_general")
-    flops = sum(c * matmul_floor.flops_bytes(k)[0] for k, c in dots.items())
-    expect = 64 * train_flops_per_sample(cfg.model, p.layout.width, len(p.feats.flow_idx))
-    assert abs(flops / expect - 1) < 0.05, (flops, expect)
+    # Per transition: the FLOPs that grow with the batch, from 64 to 128 (parameter-sized
+    # products — each GRN block's W45·W1, the τ embedding of fractions shared by the batch —
+    # do not, and cancel), against the analytic count.
+    cfg128 = config_from_dict(apply_overrides(to_dict(cfg), ["train.batch_size=128"]))
+    dots128, _ = matmul_floor.update_dots(cfg128)
+
+    def flops(d):
+        return sum(c * matmul_floor.flops_bytes(k)[0] for k, c in d.items())
+
+    per_sample = (flops(dots128) - flops(dots)) / 64
+    expect = train_flops_per_sample(cfg.model, p.layout.width, len(p.feats.flow_idx))
+    assert abs(per_sample / expect - 1) < 0.05, (per_sample, expect)
 
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "matmul_floor.py"), "--quick", "--batch", "32",

@@ -204,6 +204,47 @@ def test_corrupted_checkpoint_is_refused_naming_the_path(tmp_path, damage):
         ck.restore(5, _state())
 
 
+def test_orbax_read_failures_left_unretrieved_are_not_printed_again(tmp_path):
+    """A corrupt checkpoint is reported once, as the CheckpointError: orbax's sibling read
+    tasks that failed too, never retrieved, are dropped from asyncio's log; every other record
+    passes."""
+    import logging
+
+    from jdqn.train.checkpoint import OrphanedReadFailureFilter
+
+    def raised_in(filename: str) -> BaseException:
+        ns: dict = {}
+        code = compile("def boom():\n    raise ValueError('bad chunk')\n", filename, "exec")
+        exec(code, ns)  # noqa: S102 - a function whose frames name this file
+        try:
+            ns["boom"]()
+        except ValueError as e:
+            return e
+        raise AssertionError("boom did not raise")
+
+    def record(msg: str, exc: BaseException | None) -> logging.LogRecord:
+        info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, info)
+
+    f = OrphanedReadFailureFilter()
+    orbax_exc = raised_in("/site-packages/orbax/checkpoint/_src/serialization/x.py")
+    other_exc = raised_in("/site-packages/mylib/reader.py")
+    orphan = "Task exception was never retrieved\nfuture: <Task finished ...>"
+    assert f.filter(record(orphan, orbax_exc)) is False
+    assert f.filter(record(orphan, other_exc)) is True
+    assert f.filter(record(orphan, None)) is True
+    assert f.filter(record("Unclosed client session", orbax_exc)) is True
+    # a restore installs it on asyncio's logger, once
+    d = tmp_path / "ck"
+    with Checkpointer(d) as ck:
+        ck.save(1, _state(), {"val_sharpe": 1.0})
+        ck.restore(1, _state())
+        ck.restore(1, _state())
+    installed = [x for x in logging.getLogger("asyncio").filters
+                 if isinstance(x, OrphanedReadFailureFilter)]
+    assert len(installed) == 1
+
+
 def test_bad_extra_json_and_fingerprint_contents(tmp_path):
     with Checkpointer(tmp_path / "ck") as ck, pytest.raises(CheckpointError, match="JSON-s"):
         ck.save(1, _state(), {"val_sharpe": 1.0}, {"fn": object()})

@@ -129,10 +129,12 @@ def _dot_outputs(jaxpr) -> list[tuple[str, int]]:
 def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
     """Mixed precision: every matmul writes a bf16 activation except those whose output a loss
     or softmax reads (the value and four advantage output layers, the IQN output layer, the MoE
-    gate logits) and the gate-weighted expert bias Σ_k g_k b2_k, which write float32. Checked by
+    gate logits) and the gate-weighted expert bias Σ_k g_k b2_k, which write float32, and the
+    GRN blocks' parameter products W45·W1 and W45·b1 (parameters are float32). Checked by
     output width, so swapping which layer writes float32 fails too."""
     z, sizes = SMALL.n_atoms, SMALL.branch_sizes
-    wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts, SMALL.width])
+    wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts, SMALL.width,
+                   *[2 * SMALL.width] * (2 * SMALL.n_grn_blocks)])
     dots = _dot_outputs(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
     assert sorted(w for d, w in dots if d == "float32") == wide, dots
     assert {d for d, _ in dots} == {"float32", "bfloat16"}
@@ -342,22 +344,28 @@ def test_analytic_flops_match_xla_cost_analysis(shared_taus):
     cfg = ModelConfig()
     net = BranchingQNetwork(cfg, (3, 4, 5))
     params = jax.eval_shape(lambda k: init_params(net, k, 128), jax.random.key(0))
-    b, q = 64, 4  # shared fractions: the τ embedding (once per batch) is < 1 % of it
-    lowered = jax.jit(net.apply).lower(params, jax.ShapeDtypeStruct((b, 128), jnp.float32),
-                                       jax.ShapeDtypeStruct((q,) if shared_taus else (b, q),
-                                                            jnp.float32))
-    if not hasattr(lowered, "cost_analysis"):
-        pytest.skip("this JAX has no Lowered.cost_analysis")
-    cost = lowered.cost_analysis()  # XLA's HLO cost model, no compilation needed
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    if not cost or "flops" not in cost:
-        pytest.skip("this backend reports no cost analysis")
-    analytic = b * flops_per_sample(cfg, 128, n_flow=3, n_quantiles=q, shared_taus=shared_taus)
+    q = 4
+
+    def cost_flops(b):
+        lowered = jax.jit(net.apply).lower(params, jax.ShapeDtypeStruct((b, 128), jnp.float32),
+                                           jax.ShapeDtypeStruct((q,) if shared_taus else (b, q),
+                                                                jnp.float32))
+        if not hasattr(lowered, "cost_analysis"):
+            pytest.skip("this JAX has no Lowered.cost_analysis")
+        cost = lowered.cost_analysis()  # XLA's HLO cost model, no compilation needed
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        if not cost or "flops" not in cost:
+            pytest.skip("this backend reports no cost analysis")
+        return cost["flops"]
+
+    # Per observation: what grows from 64 to 128 rows. Parameter-sized products (each GRN
+    # block's W45·W1, the τ embedding of fractions shared by the batch) do not, and cancel.
+    per_row = (cost_flops(128) - cost_flops(64)) / 64
+    analytic = flops_per_sample(cfg, 128, n_flow=3, n_quantiles=q, shared_taus=shared_taus)
     # within 2 % (elementwise work is not counted); the other τ mode's count is 4-6 % off
-    assert abs(analytic - cost["flops"]) / cost["flops"] < 0.02, (analytic, cost["flops"])
-    other = b * flops_per_sample(cfg, 128, n_flow=3, n_quantiles=q,
-                                 shared_taus=not shared_taus)
-    assert abs(other - cost["flops"]) > 2 * abs(analytic - cost["flops"])
+    assert abs(analytic - per_row) / per_row < 0.02, (analytic, per_row)
+    other = flops_per_sample(cfg, 128, n_flow=3, n_quantiles=q, shared_taus=not shared_taus)
+    assert abs(other - per_row) > 2 * abs(analytic - per_row)
 
 
 def test_decay_mask_decays_kernels_only(params):

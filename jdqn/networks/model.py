@@ -183,7 +183,9 @@ def flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0,
     w, h, k, e, g = obs_width, cfg.width, cfg.n_experts, cfg.expert_hidden, cfg.gate_hidden
     hh, z, sizes = cfg.head_hidden, cfg.n_atoms, cfg.branch_sizes
     macs = w * w + w * h  # variable selection, projection
-    macs += cfg.n_grn_blocks * (h * h + h * h + h * 2 * h)  # GRN: ELU fc, fc, GLU (2H)
+    # GRN: the ELU layer, then fc and GLU (2H) applied as one H → 2H product of their weights
+    # (trunk.GRNBlock; the product of the weights is per batch, not counted)
+    macs += cfg.n_grn_blocks * (h * h + h * 2 * h)
     macs += w * g + g * k + 2 * h * k * e + k * h  # gate, experts (both layers), mixture bias
     macs += h * hh + hh * z  # value stream
     extra_in = (0, sizes[0], n_flow, n_flow)  # direction Q conditioning, order-flow features

@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import sys
 import warnings
@@ -387,6 +388,35 @@ def _silence_closed_loop_callbacks() -> None:
     _QUIET_HOOK_INSTALLED = True
 
 
+class OrphanedReadFailureFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of orbax's read tasks.
+
+    When arrays of a corrupt checkpoint fail to read, orbax raises the first failure — which
+    :meth:`Checkpointer.restore` reports as a :class:`CheckpointError` naming the checkpoint —
+    and leaves its sibling read tasks' failures unretrieved; asyncio then logs each one, with a
+    traceback, whenever the task is collected (during the error message, or at exit). Those
+    say nothing the error does not. Every other record passes: other messages, and unretrieved
+    task failures whose traceback does not run through orbax."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Task exception was never retrieved"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        tb = exc.__traceback__ if exc is not None else None
+        while tb is not None:
+            if "orbax" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+def _quiet_orphaned_read_failures() -> None:
+    """Install :class:`OrphanedReadFailureFilter` on the ``asyncio`` logger (once)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, OrphanedReadFailureFilter) for f in logger.filters):
+        logger.addFilter(OrphanedReadFailureFilter())
+
+
 class Checkpointer:
     """Async orbax checkpoints with best-N/latest-N retention and a layout check on restore.
 
@@ -540,6 +570,7 @@ class Checkpointer:
         target = jax.tree.map(_abstract, abstract_state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   extra=ocp.args.JsonRestore())
+        _quiet_orphaned_read_failures()
         try:
             out = self._mngr.restore(step, args=args)
         except Exception as e:
