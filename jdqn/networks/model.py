@@ -135,8 +135,8 @@ def init_params_batched(net: BranchingQNetwork, keys: Array, obs_width: int) -> 
 def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Array,
                   grad_free: bool = False) -> tuple[Array, ...]:
     """The IQN head alone on trunk features ``[B, H]`` (``NetOutput.features``) at ``taus
-    [B, Q]`` or ``[Q]`` (shared by every row): per branch ``[B, A_d, Q]``, the same values as ``net.apply(params, obs,
-    taus).quantiles`` for the features of ``obs``. ``grad_free`` as in
+    [B, Q]`` or ``[Q]`` (shared by every row): per branch ``[B, A_d, Q]``, the same values as
+    ``net.apply(params, obs, taus).quantiles`` for the features of ``obs``. ``grad_free`` as in
     :class:`BranchingQNetwork`."""
     c = net.cfg
     if not c.iqn:
