@@ -367,15 +367,20 @@ def _jsonable(d: dict[str, Any] | None, what: str) -> dict[str, Any]:
 _QUIET_HOOK_INSTALLED = False
 
 
-def _silence_closed_loop_callbacks() -> None:
-    """When a restore fails, tensorstore may still deliver read callbacks to orbax's event loop
-    after orbax closed it, during or after the failing call; each raises
-    ``RuntimeError('Event loop is closed')`` as an "unraisable" exception whose traceback would
-    bury our one-line error. Installed once, before any read: drops exactly those and passes
-    everything else to the previous hook."""
+def _quiet_failed_reads() -> None:
+    """Keep a failed read's report to our one-line error. Installed once, before any read:
+
+    * when a restore fails, tensorstore may still deliver read callbacks to orbax's event loop
+      after orbax closed it, during or after the failing call; each raises
+      ``RuntimeError('Event loop is closed')`` as an "unraisable" exception whose traceback
+      would bury the error — a ``sys.unraisablehook`` drops exactly those and passes
+      everything else to the previous hook;
+    * orbax's sibling read tasks that failed too are never retrieved, and asyncio would log
+      each with a traceback: :class:`OrphanedReadFailureFilter` on the ``asyncio`` logger."""
     global _QUIET_HOOK_INSTALLED
     if _QUIET_HOOK_INSTALLED:
         return
+    logging.getLogger("asyncio").addFilter(OrphanedReadFailureFilter())
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -408,13 +413,6 @@ class OrphanedReadFailureFilter(logging.Filter):
                 return False
             tb = tb.tb_next
         return True
-
-
-def _quiet_orphaned_read_failures() -> None:
-    """Install :class:`OrphanedReadFailureFilter` on the ``asyncio`` logger (once)."""
-    logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, OrphanedReadFailureFilter) for f in logger.filters):
-        logger.addFilter(OrphanedReadFailureFilter())
 
 
 class Checkpointer:
@@ -532,7 +530,7 @@ class Checkpointer:
     def read_layout(self, step: int) -> dict[str, Any]:
         """The stored layout fingerprint of ``step`` (raises CheckpointError if unreadable)."""
         self._check_step(step)
-        _silence_closed_loop_callbacks()
+        _quiet_failed_reads()
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
             layout = out["layout"]
@@ -570,7 +568,7 @@ class Checkpointer:
         target = jax.tree.map(_abstract, abstract_state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   extra=ocp.args.JsonRestore())
-        _quiet_orphaned_read_failures()
+        _quiet_failed_reads()
         try:
             out = self._mngr.restore(step, args=args)
         except Exception as e:
