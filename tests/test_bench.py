@@ -240,3 +240,11 @@ def test_backtest_bench_compares_chunk_lengths_on_the_same_records(tmp_path):
     for row in printed["rows"]:
         for k in ("validation_first_call_s", "validation_s", "test_first_call_s", "test_s"):
             assert row[k] > 0, k
+
+
+def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
+    printed = _bench(tmp_path, "replay.py", "--capacity", "5000", "--batch", "256", "--reps", "3")
+    assert printed["capacity"] == 5000 and printed["batch"] == 256
+    assert set(printed["us"]) == {"sample", "update_sorting", "update_sorted",
+                                  "sample_and_update", "n_sampleable"}
+    assert all(v > 0 for v in printed["us"].values())

@@ -105,6 +105,22 @@ def test_large_buffer_probabilities_stay_accurate():
     assert np.max(np.abs(got - exact)) * cap < 1e-3
 
 
+def test_all_zero_priorities_fall_back_to_uniform_over_filled_slots():
+    prob = jax.jit(R.sampling_probabilities)
+    st = _filled(16, np.zeros(10))  # 10 filled slots, every priority 0
+    np.testing.assert_allclose(np.asarray(prob(st, 0.6)), np.r_[np.full(10, 0.1), np.zeros(6)],
+                               rtol=1e-6)
+    idx = np.asarray(_sample(st, jax.random.key(0), 64, 0.6, 0.4).indices)
+    assert idx.min() >= 0 and idx.max() <= 9
+    # One positive priority, however small against the rest's 0: it takes all the mass.
+    st = _filled(16, np.r_[np.zeros(9), 1e-30])
+    np.testing.assert_array_equal(np.asarray(prob(st, 0.6)), np.r_[np.zeros(9), 1.0, np.zeros(6)])
+    # α = 0: uniform over the positive slots; zero-priority slots stay out.
+    st = _filled(16, np.r_[np.ones(6), np.zeros(2), 10.0 ** np.arange(-4, 4)[:2]])
+    want = np.r_[np.full(6, 1 / 8), 0, 0, 1 / 8, 1 / 8, np.zeros(6)]
+    np.testing.assert_allclose(np.asarray(prob(st, 0.0)), want, rtol=1e-6)
+
+
 def test_duplicate_indices_last_occurrence_wins():
     st = _filled(16, np.ones(10))
     new = R.update(st, jnp.array([3, 3, 5, 3, 5, 9]), jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]))
@@ -124,6 +140,42 @@ def test_duplicate_indices_last_occurrence_wins():
                 oracle[i] = v
         np.testing.assert_array_equal(np.asarray(upd(st, jnp.asarray(idx), jnp.asarray(val))
                                                  .priorities), oracle)
+
+
+def test_sampled_indices_are_sorted_and_the_sort_free_update_matches():
+    # train_step passes per.sample's indices to update(indices_sorted=True), which skips the
+    # sort: sample must return them non-decreasing — with duplicates (few slots, many draws),
+    # zero-priority and unfilled slots, priorities over many orders of magnitude — and on such
+    # input the sort-free update must equal the general one and the sequential oracle.
+    rng = np.random.default_rng(5)
+    upd = jax.jit(R.update, static_argnames="indices_sorted")
+    for cap, filled, batch in ((64, 50, 1000), (4096, 4096, 256), (1 << 14, 9000, 4096)):
+        pr = 10.0 ** rng.uniform(-6, 3, size=filled)
+        pr[rng.random(filled) < 0.2] = 0.0
+        st = _filled(cap, pr)
+        for k in range(4):
+            s = _sample(st, jax.random.key(k), batch, 0.6, 0.4)
+            idx = np.asarray(s.indices)
+            assert np.all(np.diff(idx) >= 0), "sampled indices are not sorted"
+            val = rng.uniform(0.1, 9.0, size=batch).astype(np.float32)
+            oracle = np.asarray(st.priorities).copy()
+            for i, v in zip(idx, val, strict=True):
+                oracle[i] = v
+            if cap == 64:
+                assert len(np.unique(idx)) < batch  # duplicates were exercised
+            fast = upd(st, s.indices, jnp.asarray(val), indices_sorted=True)
+            np.testing.assert_array_equal(np.asarray(fast.priorities), oracle)
+            np.testing.assert_array_equal(
+                np.asarray(fast.priorities), np.asarray(upd(st, s.indices, jnp.asarray(val)).priorities))
+            assert float(fast.max_priority) == float(max(st.max_priority, val.max()))
+    # Sorted input with out-of-range slots at both ends (their keys become C mid-sequence):
+    st = _filled(8, np.ones(8))
+    new = upd(st, jnp.array([-3, -1, 2, 2, 5, 5, 5, 8, 30]),
+              jnp.array([9.0, 9, 3, 4, 5, 6, 7, 9, 9]), indices_sorted=True)
+    np.testing.assert_array_equal(np.asarray(new.priorities), [1, 1, 4, 1, 1, 7, 1, 1])
+    # Without the promise, an unsorted batch still gets last-occurrence semantics (the sort).
+    new = upd(st, jnp.array([5, 2, 5, 2]), jnp.array([1.0, 2, 3, 4]))
+    np.testing.assert_array_equal(np.asarray(new.priorities), [1, 1, 4, 1, 1, 3, 1, 1])
 
 
 def test_out_of_range_indices_are_ignored_not_wrapped():

@@ -128,15 +128,16 @@ def _masses(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
     """Unnormalised sampling masses ``q [C] = (p / max p)^α`` on filled slots, 0 elsewhere.
 
     Dividing by the max keeps every mass in [0, 1] whatever the priority scale. If every filled
-    slot has priority 0 (or α = 0), this gives uniform sampling over the filled slots.
+    slot has priority 0, this gives uniform sampling over the filled slots (α = 0: uniform over
+    the filled slots of positive priority).
     """
     filled = jnp.arange(state.capacity) < state.size
     p = jnp.where(filled, jnp.maximum(state.priorities, 0.0), 0.0)
     pmax = jnp.max(p)
     q = jnp.where(p > 0, (p / jnp.where(pmax > 0, pmax, 1.0)) ** alpha, 0.0)
-    q = jnp.where(filled, q, 0.0)
-    all_zero = jnp.logical_not(jnp.any(q > 0))
-    return jnp.where(all_zero, filled.astype(jnp.float32), q).astype(jnp.float32)
+    # Every mass is 0 exactly when pmax is: a slot holding pmax > 0 has mass 1^α = 1 (any α).
+    # Read off the max rather than a second pass over q (a C-long reduction per update).
+    return jnp.where(pmax > 0, q, filled.astype(jnp.float32)).astype(jnp.float32)
 
 
 def _cumsums(q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -197,7 +198,9 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
            beta: float | jax.Array, axis_name: str | None = None) -> Sample:
     """Draw ``batch`` items with ``P(i) = p_i^α / Σ_j p_j^α`` over the filled slots (stratified).
 
-    Returns the items (leaves ``[B, ...]``), their slot indices ``i32 [B]`` and importance weights
+    Returns the items (leaves ``[B, ...]``), their slot indices ``i32 [B]`` — non-decreasing (the
+    stratified points increase and the slot search is monotone in them), which
+    ``update(..., indices_sorted=True)`` relies on — and importance weights
     ``f32 [B]``: ``w_i = (N·P(i))^-β`` divided by the largest ``w`` in the batch (so ``w ≤ 1``;
     Schaul et al. normalise by the max for stability; the batch max keeps one rarely-sampled slot
     elsewhere in the buffer from shrinking every weight). ``N`` = number of filled slots.
@@ -223,7 +226,8 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     return Sample(items, idx, weights.astype(jnp.float32))
 
 
-def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> ReplayState:
+def update(state: ReplayState, indices: jax.Array, priorities: jax.Array,
+           indices_sorted: bool = False) -> ReplayState:
     """Set the priorities of slots ``indices [B]`` to ``priorities [B]`` (e.g. per-sample loss + ε).
 
     Duplicates: when a slot appears several times in ``indices`` the **last occurrence wins**
@@ -236,6 +240,12 @@ def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> Rep
     no Python-style wrap-around) are ignored. Negative priorities are clamped to 0; non-finite
     ones are replaced by ``max_priority`` (the NaN monitor on the loss reports the cause — this
     only keeps the cumulative sums finite).
+
+    ``indices_sorted=True`` promises ``indices`` non-decreasing — what :func:`sample` returns
+    (its stratified points are increasing and the slot search is monotone) — so the sort is
+    skipped: equal slots are already neighbours in batch order. The same result for such
+    input (tested); for unsorted input the promise is broken and a duplicated slot's winner is
+    unspecified.
     """
     cap = state.capacity
     indices = jnp.asarray(indices).reshape(-1)
@@ -247,8 +257,13 @@ def update(state: ReplayState, indices: jax.Array, priorities: jax.Array) -> Rep
     key = jnp.where(in_range, indices, cap).astype(jnp.int32)
     pr = priorities.astype(jnp.float32).reshape(-1)
     pr = jnp.where(jnp.isfinite(pr), jnp.maximum(pr, 0.0), state.max_priority)
-    order = jnp.argsort(key, stable=True)  # equal slots keep their batch order
-    s_key, s_pr = key[order], pr[order]
+    if indices_sorted:
+        # In-range runs of one slot stay contiguous when out-of-range keys become C (they are
+        # dropped below whatever their place), so "last of its run" is still the last occurrence.
+        s_key, s_pr = key, pr
+    else:
+        order = jnp.argsort(key, stable=True)  # equal slots keep their batch order
+        s_key, s_pr = key[order], pr[order]
     is_last = jnp.concatenate([s_key[:-1] != s_key[1:], jnp.ones((1,), bool)])
     keep = is_last & (s_key < cap)
     dropped = cap + jnp.arange(s_key.shape[0], dtype=jnp.int32)  # distinct, all past the end

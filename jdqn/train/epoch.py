@@ -235,7 +235,8 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     updates, opt_state = learner.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     target = optax.incremental_update(params, state.target_params, c.tau)
-    replay = per.update(state.replay, sample.indices, per_sample + c.per_eps)
+    replay = per.update(state.replay, sample.indices, per_sample + c.per_eps,
+                        indices_sorted=True)  # per.sample's indices are non-decreasing
     if ax is not None:  # new items get the global max priority on every shard
         replay = replay.replace(max_priority=parallel.pmax(replay.max_priority, ax))
     monitor = state.monitor
