@@ -214,6 +214,11 @@ class ModelConfig:
     # weights and never forms the [B, N, H] modulated features; "sample" = N per sample
     # (Dabney et al. 2018). docs/model.md, "IQN fractions".
     iqn_taus: Literal["batch", "sample"] = "batch"
+    # With iqn_taus = "batch": the batch is cut into this many groups of consecutive rows, each
+    # with its own N (and N′) fractions, so an update sees G·N fractions at the folded head's
+    # cost (one batched [G, B/G, H] × [G, H, N·F] product); 1 = one set for the whole batch.
+    # Must divide each device's batch; unused with "sample" (docs/model.md, "IQN fractions").
+    iqn_tau_groups: int = fld(8, ge=1)
     # "bfloat16" = mixed precision: bf16 matmul inputs and stored activations, float32
     # accumulation, bias adds, logits, gate and losses (docs/model.md, "Precision").
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -491,7 +496,11 @@ def _validate(obj: Any, prefix: str) -> None:
         if obj.train_frac + obj.test_frac >= 1:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
     if isinstance(obj, Config):
-        t = obj.train
+        t, m = obj.train, obj.model
+        if m.iqn and m.iqn_taus == "batch" and t.batch_size % m.iqn_tau_groups:
+            raise ConfigError(f"model.iqn_tau_groups = {m.iqn_tau_groups} does not divide "
+                              f"train.batch_size = {t.batch_size}: the groups are equal shares "
+                              "of the batch")
         if obj.parallel.n_devices > 1:
             check_divides(obj, obj.parallel.n_devices,
                           f"parallel.n_devices = {obj.parallel.n_devices}")
@@ -529,6 +538,11 @@ def check_divides(cfg: Config, n_devices: int, what: str) -> None:
         raise ConfigError(f"{what}: {', '.join(bad)} not divisible by "
                           f"{n_devices}; data parallel gives every device an equal share of "
                           "the envs, the batch and the replay")
+    share, groups = cfg.train.batch_size // n_devices, cfg.model.iqn_tau_groups
+    if cfg.model.iqn and cfg.model.iqn_taus == "batch" and share % groups:
+        raise ConfigError(f"{what}: each device's batch, train.batch_size / {n_devices} = "
+                          f"{share}, is not divisible by model.iqn_tau_groups = {groups}: "
+                          "every device cuts its share into the groups")
 
 
 def n_base_features(cfg: FeaturesConfig) -> int:

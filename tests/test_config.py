@@ -221,3 +221,28 @@ def test_iqn_fractions_mode_is_checked():
     with pytest.raises(ConfigError, match=r"model.iqn_taus = 'row' is not allowed; allowed "
                                           r"values: 'batch', 'sample'"):
         config_from_dict({"model": {"iqn_taus": "row"}})
+
+
+def test_iqn_fraction_groups_must_divide_each_devices_batch():
+    assert config_from_dict({}).model.iqn_tau_groups == 8
+    ok = {"model": {"iqn_tau_groups": 8}, "train": {"batch_size": 256}}
+    with pytest.raises(ConfigError, match=r"model.iqn_tau_groups = 8 does not divide "
+                                          r"train.batch_size = 100"):
+        config_from_dict({**ok, "train": {"batch_size": 100}})
+    # the groups matter only for fractions shared by groups of an IQN head's batch
+    for model in ({"iqn_taus": "sample"}, {"iqn": False}):
+        config_from_dict({"model": model, "train": {"batch_size": 100}})
+    assert config_from_dict({"model": {"iqn_tau_groups": 1},
+                             "train": {"batch_size": 100}}).model.iqn_tau_groups == 1
+    with pytest.raises(ConfigError, match=r"model.iqn_tau_groups = 0 is out of range; "
+                                          r"allowed: \[1, inf\)"):
+        config_from_dict({"model": {"iqn_tau_groups": 0}})
+    # data parallel: each device cuts its own share (256 / 4 = 64) into the groups
+    config_from_dict({**ok, "parallel": {"n_devices": 4}})
+    with pytest.raises(ConfigError, match=r"parallel.n_devices = 64: each device's batch, "
+                                          r"train.batch_size / 64 = 4, is not divisible by "
+                                          r"model.iqn_tau_groups = 8"):
+        config_from_dict({**ok, "parallel": {"n_devices": 64},
+                          "env": {"n_envs": 64}, "train": {"batch_size": 256,
+                                                           "replay_capacity": 64 * 1000,
+                                                           "min_replay": 1000}})

@@ -336,7 +336,7 @@ def test_loss_gradients_match_finite_differences():
 
 @pytest.mark.slow
 def test_total_loss_gradient_matches_finite_differences(online, target):
-    net = NET
+    net = BranchingQNetwork(dataclasses.replace(SMALL, iqn_tau_groups=2), FLOW)  # 2 of 2 rows
     with x64():
         cast = functools.partial(jax.tree.map, lambda a: jnp.asarray(a, jnp.float64))
         online = cast(without_direction_conditioning(online))
@@ -402,33 +402,53 @@ def test_total_loss_shapes_components_and_importance_weights(online, target):
     assert moe_state.entropy_ema.shape == ()
 
 
-@pytest.mark.parametrize("mode", ["batch", "sample"])
-def test_iqn_fractions_come_from_the_loss_key_shared_or_per_sample(online, target, mode):
+@pytest.mark.parametrize("mode,groups,fuse", [("batch", 1, True), ("batch", 4, True),
+                                               ("batch", 4, False), ("sample", 1, True)],
+                         ids=["shared", "groups", "groups_twin", "per_sample"])
+def test_iqn_fractions_come_from_the_loss_key_shared_or_per_sample(online, target, mode, groups,
+                                                                  fuse):
     """ModelConfig.iqn_taus: "batch" draws one [N] set (and one [N′]) from the update's key for
-    every sample, "sample" draws [B, N]; the IQN term is the batch loss at exactly those
-    fractions (rebuilt here from the key: online quantiles at s, target quantiles at s′, the
-    online network's expected Q at s′ selecting the next action)."""
+    every sample — [G, N] with iqn_tau_groups = G, one set per B/G consecutive samples —
+    "sample" draws [B, N]; the IQN term is the batch loss at exactly those fractions (rebuilt
+    here from the key: online quantiles at s, target quantiles at s′, the online network's
+    expected Q at s′ selecting the next action), with the online forward over [s; s′] (fuse)
+    or the paired forward at s′."""
     from jdqn.losses.batch import branching_iqn_loss_batch
 
-    cfg = dataclasses.replace(SMALL, iqn_taus=mode)
+    cfg = dataclasses.replace(SMALL, iqn_taus=mode, iqn_tau_groups=groups, fuse_next_obs=fuse)
     net = BranchingQNetwork(cfg, FLOW)
     batch, key = _batch(), jax.random.key(7)
     _, (comp, _, _, _) = jax.jit(functools.partial(total_loss, net=net, train_cfg=TRAIN))(
         online, target, batch, key, init_moe_state(3), 0.5)
     k_online, k_target = jax.random.split(key)
-    rows = () if mode == "batch" else (B,)
+    rows = (B,) if mode == "sample" else () if groups == 1 else (groups,)
     taus = jax.random.uniform(k_online, (*rows, cfg.iqn_n))
     taus_prime = jax.random.uniform(k_target, (*rows, cfg.iqn_n_prime))
-    taus_b = jnp.broadcast_to(taus, (B, cfg.iqn_n))
-    per_row = BranchingQNetwork(dataclasses.replace(cfg, iqn_taus="sample"), FLOW)
+
+    def each_row(t):
+        return jnp.broadcast_to(t, (B, t.shape[-1])) if t.ndim == 1 else jnp.repeat(
+            t, B // t.shape[0], axis=0)
+
+    taus_b = each_row(taus)
+    if groups > 1:  # the groups really differ: not one set repeated
+        assert not np.allclose(taus_b[0], taus_b[-1])
+    per_row = BranchingQNetwork(dataclasses.replace(cfg, iqn_taus="sample", iqn_tau_groups=1),
+                                FLOW)
     quantiles = per_row.apply(online, batch.obs, taus_b).quantiles
-    target_q = per_row.apply(target, batch.next_obs,
-                             jnp.broadcast_to(taus_prime, (B, cfg.iqn_n_prime))).quantiles
+    target_q = per_row.apply(target, batch.next_obs, each_row(taus_prime)).quantiles
     selector = per_row.apply(online, batch.next_obs).q
     iqn = branching_iqn_loss_batch(quantiles, taus_b, batch.action, batch.reward,
                                    batch.discount, target_q, selector, cfg.v_min, cfg.v_max)
     np.testing.assert_allclose(comp["iqn"], jnp.mean(jnp.mean(iqn, axis=1)), rtol=1e-5)
     assert float(comp["iqn"]) > 0
+
+
+def test_iqn_groups_that_do_not_divide_the_batch_are_a_clear_error(online, target):
+    net = BranchingQNetwork(dataclasses.replace(SMALL, iqn_tau_groups=3), FLOW)
+    with pytest.raises(ValueError, match=r"model.iqn_tau_groups = 3 does not divide the batch "
+                                         r"of 16 rows"):
+        total_loss(online, target, _batch(), jax.random.key(0), init_moe_state(3), 0.5,
+                   net=net, train_cfg=TRAIN)
 
 
 def test_fused_and_separate_next_obs_forward_agree(online, target):

@@ -329,10 +329,10 @@ def test_iqn_head_cosine_embedding_and_partial_rows(params):
     taus = jnp.array([[0.0, 0.25, 1.0]])
     emb = cosine_embedding(taus, 3)  # cos(π i τ), i = 0, 1, 2
     np.testing.assert_allclose(emb[0, 1], [1.0, np.cos(np.pi / 4), np.cos(np.pi / 2)], atol=1e-6)
-    apply = jax.jit(NET.apply)
+    apply = jax.jit(NET.apply, static_argnames="tau_rows")
     obs = _obs(6)
     taus = jax.random.uniform(jax.random.key(1), (2, 5))
-    part = apply(params, obs, taus).quantiles  # quantiles for rows 0..1 only
+    part = apply(params, obs, taus, tau_rows=2).quantiles  # quantiles for rows 0..1 only
     full = apply(params, obs[:2], taus).quantiles
     for a, b in zip(part, full, strict=True):
         chex.assert_shape(a, (2, b.shape[1], 5))
@@ -517,24 +517,30 @@ def test_grn_block_is_the_textbook_three_layer_grn(width):
         np.testing.assert_allclose(dx[0], dx[1], rtol=1e-10, atol=1e-12)
 
 
-def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions():
-    """taus [Q] (one set for every row): the modulation folded into the first layer's weights
-    gives the per-row head's values and gradients at the fractions broadcast to every row —
-    w.r.t. every parameter and the trunk feature h."""
+@pytest.mark.parametrize("groups", [0, 1, 3], ids=["shared", "one_group", "three_groups"])
+def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions(groups):
+    """taus [Q] (one set for every row) or [G, Q] (one per group of B/G rows): the modulation
+    folded into the first layer's weights gives the per-row head's values and gradients at
+    each row's fractions — w.r.t. every parameter and the trunk feature h."""
     from jdqn.networks.heads import IQNHead, iqn_features_shared
 
     head = IQNHead(SMALL.branch_sizes, SMALL.iqn_embed, SMALL.head_hidden)
     k = jax.random.split(jax.random.key(6), 3)
+    n = 9
     with x64():
-        h = jax.random.normal(k[0], (7, SMALL.width), jnp.float64)
-        taus = jax.random.uniform(k[1], (5,), jnp.float64)
-        rows = jnp.broadcast_to(taus, (7, 5))
+        h = jax.random.normal(k[0], (n, SMALL.width), jnp.float64)
+        if groups == 0:
+            taus = jax.random.uniform(k[1], (5,), jnp.float64)
+            rows = jnp.broadcast_to(taus, (n, 5))
+        else:
+            taus = jax.random.uniform(k[1], (groups, 5), jnp.float64)
+            rows = jnp.repeat(taus, n // groups, axis=0)
         params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, rows))
         params = jax.tree.map(lambda x: x + 0.1 * jnp.arange(x.size).reshape(x.shape) % 0.7,
                               params)  # non-zero biases, some φ units off (relu)
         _assert_same_values_and_grads(lambda p: head.apply(p, h, taus),
                                       lambda p: head.apply(p, h, rows), params)
-        ct = [jax.random.normal(jax.random.key(20 + i), (7, a, 5), jnp.float64)
+        ct = [jax.random.normal(jax.random.key(20 + i), (n, a, 5), jnp.float64)
               for i, a in enumerate(SMALL.branch_sizes)]
 
         def dh(t):
@@ -548,10 +554,18 @@ def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions()
             x, taus, *(p[n][w] for n in ("tau_embed", "fc", "out") for w in ("kernel", "bias")),
             "float32"))(h)
         shapes = {tuple(v.aval.shape) for e in all_eqns(jaxpr.jaxpr) for v in e.outvars}
-        assert (7, 5, SMALL.width) not in shapes and (7, 5, SMALL.head_hidden) in shapes
+        assert (n, 5, SMALL.width) not in shapes and (n, 5, SMALL.head_hidden) in shapes
+        if groups > 1:  # the groups' first layers: one batched product, not one per group
+            dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                    and e.outvars[0].aval.shape == (groups, n // groups, 5 * SMALL.head_hidden)]
+            assert len(dots) == 1
+            with pytest.raises(ValueError, match="3 groups of IQN fractions do not divide the "
+                                                 "8 rows"):
+                iqn_features_shared(h[:8], taus, *(p[m][w] for m in ("tau_embed", "fc", "out")
+                                                   for w in ("kernel", "bias")), "float32")
 
 
-def test_network_takes_shared_fractions_for_the_first_rows(params):
+def test_network_takes_shared_and_grouped_fractions_for_the_first_rows(params):
     obs = _obs(6)
     taus = jax.random.uniform(jax.random.key(3), (4,))
     part = jax.jit(NET.apply, static_argnames="tau_rows")(params, obs, taus,
@@ -563,9 +577,23 @@ def test_network_takes_shared_fractions_for_the_first_rows(params):
         chex.assert_shape(c, (6, b.shape[1], 4))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(c[:2], b, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="tau_rows = 3 but taus has 2 rows"):
+    # groups: [G, Q] over the first tau_rows rows, each group of tau_rows/G rows its own set
+    groups = jax.random.uniform(jax.random.key(5), (2, 4))
+    part = jax.jit(NET.apply, static_argnames="tau_rows")(params, obs, groups,
+                                                          tau_rows=4).quantiles
+    rows = APPLY(params, obs[:4], jnp.repeat(groups, 2, axis=0)).quantiles
+    every = APPLY(params, obs, jnp.repeat(groups, 3, axis=0)).quantiles
+    for a, b, c, d in zip(part, rows, APPLY(params, obs, groups).quantiles, every, strict=True):
+        chex.assert_shape(a, (4, b.shape[1], 4))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(c, d, rtol=1e-5, atol=1e-5)  # default: all 6 rows, 3 each
+    with pytest.raises(ValueError, match=r"tau_rows = 3 is not a multiple of the 2 rows"):
         NET.apply(params, obs, jnp.broadcast_to(taus, (2, 4)), tau_rows=3)
-    with pytest.raises(ValueError, match=r"taus must be \[Q\] or \[B, Q\]"):
+    with pytest.raises(ValueError, match=r"tau_rows = 6 is not a multiple of the 4 rows"):
+        NET.apply(params, obs, jnp.zeros((4, 4)))
+    with pytest.raises(ValueError, match="taus cover 8 rows but obs has 6"):
+        NET.apply(params, obs, taus, tau_rows=8)
+    with pytest.raises(ValueError, match=r"taus must be \[Q\], \[G, Q\] or \[B, Q\]"):
         NET.apply(params, obs, jnp.zeros((2, 2, 4)))
 
 

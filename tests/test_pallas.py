@@ -155,7 +155,8 @@ def test_total_loss_and_gradients_agree_between_pallas_and_xla(fuse_next_obs):
     over the two networks) and runs the target's IQN head alone through its fused kernel."""
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, v_min=-5.0, v_max=5.0, iqn=True, iqn_embed=8,
-                      iqn_n=4, iqn_n_prime=4, fuse_next_obs=fuse_next_obs)
+                      iqn_n=4, iqn_n_prime=4, fuse_next_obs=fuse_next_obs,
+                      iqn_tau_groups=1)  # one set for the 13 rows (an odd batch, for padding)
     train = TrainConfig()
     from jdqn.losses import Batch
 
@@ -263,7 +264,7 @@ def test_iqn_kernel_refuses_other_dtypes_and_empty_batches():
 @pytest.mark.parametrize("taus", ["sample", "batch"])
 def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeypatch, taus):
     """Per-sample fractions: the target network's quantiles go through the fused IQN kernel,
-    the online ones do not. Fractions shared by the batch: no kernel (there is no per-row
+    the online ones do not. Fractions shared by groups of rows: no kernel (there is no per-row
     ``[B·Q, H]`` stack to fuse; the head folds φ(τ) into its weights)."""
     from jdqn.losses import Batch
     from jdqn.networks import model as model_module
@@ -277,7 +278,7 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
     monkeypatch.setattr(model_module, "use_pallas", lambda impl, kernel: kernel == "iqn")
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4, iqn_n_prime=4,
-                      iqn_taus=taus, impl="xla")
+                      iqn_taus=taus, iqn_tau_groups=2, impl="xla")  # "batch": 2 groups of 3
     net = BranchingQNetwork(cfg)
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
@@ -350,7 +351,8 @@ def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkey
         net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
 
         def loss(p, net=net):
-            return sum(jnp.sum(jnp.square(q)) for q in net.apply(p, obs, taus).quantiles)
+            return sum(jnp.sum(jnp.square(q))
+                       for q in net.apply(p, obs, taus, tau_rows=5).quantiles)
 
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
         kernels = pallas_kernel_names(jaxpr)

@@ -137,8 +137,12 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
     b = batch.obs.shape[0]
     k_online, k_target = jax.random.split(key)
     taus = taus_prime = None
-    if cfg.iqn:  # [N] shared by the batch, or [B, N] per sample (ModelConfig.iqn_taus)
-        rows = () if cfg.iqn_taus == "batch" else (b,)
+    if cfg.iqn:  # [N] shared by the batch, [G, N] by groups of B/G rows, [B, N] per sample
+        groups = cfg.iqn_tau_groups if cfg.iqn_taus == "batch" else b  # (ModelConfig.iqn_taus)
+        if b % groups:
+            raise ValueError(f"model.iqn_tau_groups = {groups} does not divide the batch of {b} "
+                             "rows: each group of fractions covers an equal share")
+        rows = () if groups == 1 else (groups,)
         taus = jax.random.uniform(k_online, (*rows, cfg.iqn_n), jnp.float32)
         taus_prime = jax.random.uniform(k_target, (*rows, cfg.iqn_n_prime), jnp.float32)
 
@@ -169,7 +173,8 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
 
     iqn_loss = jnp.zeros((), td_loss.dtype)
     if cfg.iqn:
-        taus_b = jnp.broadcast_to(taus, (b, cfg.iqn_n))  # each sample's fractions
+        taus_b = (jnp.broadcast_to(taus, (b, cfg.iqn_n)) if taus.ndim == 1  # each sample's
+                  else jnp.repeat(taus, b // taus.shape[0], axis=0))  # fractions
         iqn = branching_iqn_loss_batch(online.quantiles, taus_b, batch.action, batch.reward,
                                        batch.discount, target.quantiles, online_next.q,
                                        cfg.v_min, cfg.v_max)  # [B, D]

@@ -29,6 +29,7 @@ from jdqn.networks.trunk import (
     DenseParams,
     act_dtype,
     add_bias,
+    batched_matmul,
     matmul,
     mul_f32,
     wide_dtype,
@@ -219,25 +220,37 @@ def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Arr
 
 def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array,
                         w2: Array, b2: Array, matmul_dtype: str, impl: str = "xla") -> Array:
-    """The IQN head's dense stack for **one set of fractions shared by every row**: h [B, H],
-    taus [Q] → [B, Q, O], the same function as :func:`iqn_features` with ``taus`` broadcast to
-    ``[B, Q]`` (tested, values and gradients).
+    """The IQN head's dense stack for fractions **shared by groups of rows**: h [B, H], taus [Q]
+    (one set for every row) or [G, Q] (group g = rows ``g·B/G … (g+1)·B/G − 1``; G divides B)
+    → [B, Q, O], the same function as :func:`iqn_features` with each row given its group's
+    fractions (tested, values and gradients).
 
     φ(τ) = relu(We·cos(π i τ) + be) does not depend on the row, so the modulated feature's first
     layer is ``W1·(h ⊙ φ(τ_q)) = (diag φ(τ_q) W1)ᵀ h``: the modulation moves onto the weights,
-    one ``[H, Q·F]`` matrix (Q·H·F numbers, 1 MB at the default sizes), and the ``[B, Q, H]``
-    modulated features — the largest tensors of the per-row form, 134 MB each at B = 16384 in
-    float32, written and read several times forward and backward — are never formed: the first
-    layer is one ``[B, H] × [H, Q·F]`` matmul straight from the trunk feature. φ and the folded
+    one ``[H, Q·F]`` matrix per group (Q·H·F numbers, 1 MB at the default sizes), and the
+    ``[B, Q, H]`` modulated features — the largest tensors of the per-row form, 134 MB each at
+    B = 16384 in float32, written and read several times forward and backward — are never
+    formed: the first layer is one ``[B, H] × [H, Q·F]`` matmul straight from the trunk feature
+    (G > 1: one batched ``[G, B/G, H] × [G, H, Q·F]`` matmul, the same FLOPs). φ and the folded
     weights are computed in float32 (the ``wide`` dtype) also under bf16 matmuls."""
     md = matmul_dtype
     wide = wide_dtype(md, h)
-    n_q, width, f = taus.shape[0], h.shape[-1], w1.shape[1]
-    emb = cosine_embedding(taus.astype(wide), we.shape[0])  # [Q, M]
-    phi = nn.relu(jnp.dot(emb, we.astype(wide)) + be.astype(wide))  # [Q, H]
-    w1_tau = (phi.T[:, :, None] * w1.astype(wide)[:, None, :]).reshape(width, n_q * f)
-    pre = matmul(h, w1_tau, md, act_dtype(md, h)).reshape(h.shape[0], n_q, f)  # [B, Q, F]
-    hid = nn.relu(add_bias(pre, b1, impl))
+    groups, n_q = (1, taus.shape[0]) if taus.ndim == 1 else taus.shape
+    b, width, f = h.shape[0], h.shape[-1], w1.shape[1]
+    if b % groups:
+        raise ValueError(f"{groups} groups of IQN fractions do not divide the {b} rows")
+    emb = cosine_embedding(taus.reshape(-1).astype(wide), we.shape[0])  # [G·Q, M]
+    phi = nn.relu(jnp.dot(emb, we.astype(wide)) + be.astype(wide))  # [G·Q, H]
+    if groups == 1:
+        w1_tau = (phi.T[:, :, None] * w1.astype(wide)[:, None, :]).reshape(width, n_q * f)
+        pre = matmul(h, w1_tau, md, act_dtype(md, h))  # [B, Q·F]
+    else:
+        phi = jnp.swapaxes(phi.reshape(groups, n_q, width), 1, 2)  # [G, H, Q]
+        w1_tau = (phi[..., None] * w1.astype(wide)[None, :, None, :]).reshape(
+            groups, width, n_q * f)
+        pre = batched_matmul(h.reshape(groups, b // groups, width), w1_tau, md,
+                             act_dtype(md, h))  # [G, B/G, Q·F]
+    hid = nn.relu(add_bias(pre.reshape(b, n_q, f), b1, impl))
     return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2, impl)  # [B, Q, O]
 
 
@@ -245,16 +258,16 @@ class IQNHead(nn.Module):
     """Implicit quantile head: ``φ(τ) = ReLU(Dense_H(cos(π i τ)))``, feature ``h ⊙ φ(τ)``,
     then a dueling per-branch output ``Dense(hidden) → ReLU → Dense(1 + Σ A_d)``.
 
-    (h [B, H], taus [B, Q] or [Q]) → tuple of quantile values ``[B, A_d, Q]``: ``value + A_d −
+    (h [B, H], taus [Q], [G, Q] or [B, Q]) → tuple of quantile values ``[B, A_d, Q]``: ``value + A_d −
     mean_a A_d``, the centring done on the output layer's columns (:func:`centre_actions`). The
     IQN branches read
     the trunk feature only (no direction/flow conditioning): the head is an auxiliary
     distributional loss that shapes the shared trunk.
 
-    ``taus [Q]``: one set of fractions for every row, computed as
-    :func:`iqn_features_shared` (the modulation folded into the first layer's weights);
-    ``taus [B, Q]``: fractions per row, computed as :func:`iqn_features`. The same function for
-    equal fractions.
+    ``taus [Q]``: one set of fractions for every row; ``taus [G, Q]`` with G < B dividing B: one
+    set per group of B/G consecutive rows — both computed as :func:`iqn_features_shared` (the
+    modulation folded into the first layer's weights); ``taus [B, Q]``: fractions per row,
+    computed as :func:`iqn_features`. The same function for equal fractions.
 
     ``fused=True`` (per-row fractions only) runs the dense stack as one Pallas kernel
     (:mod:`jdqn.pallas.iqn`: the ``[B·Q, H]`` intermediates never reach device memory). Its
@@ -284,7 +297,7 @@ class IQNHead(nn.Module):
             bias.append(bc)
             start += a
         w2, b2 = jnp.concatenate(cols, axis=1), jnp.concatenate(bias)
-        if taus.ndim == 1:  # one set of fractions for every row (ModelConfig.iqn_taus)
+        if taus.ndim == 1 or taus.shape[0] < h.shape[0]:  # shared by every row or by groups
             out = iqn_features_shared(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
                                       self.impl)
         elif self.fused:

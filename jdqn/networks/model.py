@@ -59,13 +59,15 @@ def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
 
 
 class BranchingQNetwork(nn.Module):
-    """``apply(params, obs [B, W], taus [B_τ, Q] | [Q] | None, grad_free=False, tau_rows=None)
+    """``apply(params, obs [B, W], taus [G, Q] | [Q] | None, grad_free=False, tau_rows=None)
     -> NetOutput``.
 
-    ``taus [B_τ, Q]`` are fractions per row and may cover only the first ``B_τ ≤ B`` rows of
-    ``obs``: the loss runs one forward over the concatenated ``[s; s′]`` batch and needs
-    quantiles at ``s`` only. ``taus [Q]`` are one set of fractions shared by the first
-    ``tau_rows`` rows (default: all; ``ModelConfig.iqn_taus = "batch"``). ``flow_idx`` are the
+    The IQN fractions cover the first ``tau_rows ≤ B`` rows of ``obs`` (the loss may run one
+    forward over the concatenated ``[s; s′]`` batch and need quantiles at ``s`` only):
+    ``taus [Q]`` are one set shared by those rows (default: all rows;
+    ``ModelConfig.iqn_taus = "batch"``); ``taus [G, Q]`` are one set per group of
+    ``tau_rows / G`` consecutive rows (``ModelConfig.iqn_tau_groups``; G = ``tau_rows``:
+    fractions per row, ``iqn_taus = "sample"``). ``flow_idx`` are the
     static column indices of the order-flow features in the observation. ``grad_free=True``
     declares that no gradient will be taken through this call (the target network): it may then
     use kernels whose backward pass is a recomputation (the fused IQN stack, when
@@ -94,13 +96,16 @@ class BranchingQNetwork(nn.Module):
             if not c.iqn:
                 raise ValueError("taus given but ModelConfig.iqn is false (no IQN head)")
             if taus.ndim == 2:
-                rows = taus.shape[0]
-                if tau_rows is not None and tau_rows != rows:
-                    raise ValueError(f"tau_rows = {tau_rows} but taus has {rows} rows")
+                rows = obs.shape[0] if tau_rows is None else tau_rows
+                if rows % taus.shape[0]:
+                    raise ValueError(f"tau_rows = {rows} is not a multiple of the "
+                                     f"{taus.shape[0]} rows (groups) of taus")
             elif taus.ndim == 1:
                 rows = obs.shape[0] if tau_rows is None else tau_rows
             else:
-                raise ValueError(f"taus must be [Q] or [B, Q], got shape {taus.shape}")
+                raise ValueError(f"taus must be [Q], [G, Q] or [B, Q], got shape {taus.shape}")
+            if rows > obs.shape[0]:
+                raise ValueError(f"taus cover {rows} rows but obs has {obs.shape[0]}")
             quantiles = _iqn_head(c, grad_free, name="iqn")(trunk.h[:rows], taus)
         return NetOutput(
             logits=logits,
@@ -135,7 +140,8 @@ def init_params_batched(net: BranchingQNetwork, keys: Array, obs_width: int) -> 
 def iqn_quantiles(net: BranchingQNetwork, params: Any, features: Array, taus: Array,
                   grad_free: bool = False) -> tuple[Array, ...]:
     """The IQN head alone on trunk features ``[B, H]`` (``NetOutput.features``) at ``taus
-    [B, Q]`` or ``[Q]`` (shared by every row): per branch ``[B, A_d, Q]``, the same values as
+    [B, Q]`` (per row), ``[G, Q]`` (per group of B/G rows) or ``[Q]`` (shared by every row): per
+    branch ``[B, A_d, Q]``, the same values as
     ``net.apply(params, obs, taus).quantiles`` for the features of ``obs``. ``grad_free`` as in
     :class:`BranchingQNetwork`."""
     c = net.cfg

@@ -78,6 +78,15 @@ def matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Arra
     return jnp.dot(x, w.astype(x.dtype))
 
 
+def batched_matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Array:
+    """``x [G, M, K] @ w [G, K, N]`` → ``[G, M, N]``, one product per leading index, under the
+    precision policy of :func:`matmul`."""
+    if matmul_dtype == "bfloat16":
+        return jnp.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                          preferred_element_type=out_dtype or jnp.float32)
+    return jnp.matmul(x, w.astype(x.dtype))
+
+
 def add_bias(y: Array, bias: Array, impl: str = "xla") -> Array:
     """``y + bias`` in ``y``'s dtype. For a bf16 ``y`` the add runs in float32 and rounds once:
     the bias keeps its precision and, more importantly, its gradient — a sum of B cotangents —
