@@ -258,11 +258,10 @@ class IQNHead(nn.Module):
     """Implicit quantile head: ``φ(τ) = ReLU(Dense_H(cos(π i τ)))``, feature ``h ⊙ φ(τ)``,
     then a dueling per-branch output ``Dense(hidden) → ReLU → Dense(1 + Σ A_d)``.
 
-    (h [B, H], taus [Q], [G, Q] or [B, Q]) → tuple of quantile values ``[B, A_d, Q]``: ``value + A_d −
-    mean_a A_d``, the centring done on the output layer's columns (:func:`centre_actions`). The
-    IQN branches read
-    the trunk feature only (no direction/flow conditioning): the head is an auxiliary
-    distributional loss that shapes the shared trunk.
+    (h [B, H], taus [Q], [G, Q] or [B, Q]) → tuple of quantile values ``[B, A_d, Q]``:
+    ``value + A_d − mean_a A_d``, the centring done on the output layer's columns
+    (:func:`centre_actions`). The IQN branches read the trunk feature only (no direction/flow
+    conditioning): the head is an auxiliary distributional loss that shapes the shared trunk.
 
     ``taus [Q]``: one set of fractions for every row; ``taus [G, Q]`` with G < B dividing B: one
     set per group of B/G consecutive rows — both computed as :func:`iqn_features_shared` (the
