@@ -29,7 +29,6 @@ from jdqn.networks.trunk import (
     DenseParams,
     act_dtype,
     add_bias,
-    batched_matmul,
     matmul,
     mul_f32,
     wide_dtype,
@@ -241,15 +240,13 @@ def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, 
         raise ValueError(f"{groups} groups of IQN fractions do not divide the {b} rows")
     emb = cosine_embedding(taus.reshape(-1).astype(wide), we.shape[0])  # [G·Q, M]
     phi = nn.relu(jnp.dot(emb, we.astype(wide)) + be.astype(wide))  # [G·Q, H]
-    if groups == 1:
-        w1_tau = (phi.T[:, :, None] * w1.astype(wide)[:, None, :]).reshape(width, n_q * f)
-        pre = matmul(h, w1_tau, md, act_dtype(md, h))  # [B, Q·F]
-    else:
-        phi = jnp.swapaxes(phi.reshape(groups, n_q, width), 1, 2)  # [G, H, Q]
-        w1_tau = (phi[..., None] * w1.astype(wide)[None, :, None, :]).reshape(
-            groups, width, n_q * f)
-        pre = batched_matmul(h.reshape(groups, b // groups, width), w1_tau, md,
-                             act_dtype(md, h))  # [G, B/G, Q·F]
+    phi = jnp.swapaxes(phi.reshape(groups, n_q, width), 1, 2)  # [G, H, Q]
+    w1_tau = (phi[..., None] * w1.astype(wide)[None, :, None, :]).reshape(
+        groups, width, n_q * f)  # [G, H, Q·F]: group g's diag φ(τ_gq)·W1, side by side
+    if groups == 1:  # one [B, H] × [H, Q·F] product
+        pre = matmul(h, w1_tau[0], md, act_dtype(md, h))
+    else:  # one batched [G, B/G, H] × [G, H, Q·F] product
+        pre = matmul(h.reshape(groups, b // groups, width), w1_tau, md, act_dtype(md, h))
     hid = nn.relu(add_bias(pre.reshape(b, n_q, f), b1, impl))
     return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2, impl)  # [B, Q, O]
 

@@ -68,23 +68,17 @@ class DenseParams(nn.Module):
 
 
 def matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Array:
-    """``x @ w`` (contracting x's last axis). With ``"bfloat16"`` the inputs are cast to bf16,
-    the product accumulates in float32 and the GEMM writes ``out_dtype`` (default float32; bf16
-    for stored activations, so no separate convert kernel rereads a float32 copy). Otherwise
-    ``w`` follows ``x``'s dtype and ``out_dtype`` is ignored."""
+    """``x @ w`` (contracting x's last axis) for a weight ``w [K, N]``; for a stack ``w [G, K,
+    N]`` and ``x [G, M, K]``, one product per leading index (``[G, M, N]``). With
+    ``"bfloat16"`` the inputs are cast to bf16, the product accumulates in float32 and the GEMM
+    writes ``out_dtype`` (default float32; bf16 for stored activations, so no separate convert
+    kernel rereads a float32 copy). Otherwise ``w`` follows ``x``'s dtype and ``out_dtype`` is
+    ignored."""
+    product = jnp.dot if w.ndim == 2 else jnp.matmul
     if matmul_dtype == "bfloat16":
-        return jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+        return product(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                        preferred_element_type=out_dtype or jnp.float32)
-    return jnp.dot(x, w.astype(x.dtype))
-
-
-def batched_matmul(x: Array, w: Array, matmul_dtype: str, out_dtype: Any = None) -> Array:
-    """``x [G, M, K] @ w [G, K, N]`` → ``[G, M, N]``, one product per leading index, under the
-    precision policy of :func:`matmul`."""
-    if matmul_dtype == "bfloat16":
-        return jnp.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                          preferred_element_type=out_dtype or jnp.float32)
-    return jnp.matmul(x, w.astype(x.dtype))
+    return product(x, w.astype(x.dtype))
 
 
 def add_bias(y: Array, bias: Array, impl: str = "xla") -> Array:
