@@ -184,8 +184,9 @@ def flops_per_sample(cfg: ModelConfig, obs_width: int, n_flow: int = 0,
     """Analytic forward matmul FLOPs (2 per multiply-add) for one observation, with the IQN head
     evaluated at ``n_quantiles`` τ samples (0 = no IQN). Elementwise ops, norms and softmaxes are
     left out (they are < 2 % of the total at the default sizes). ``shared_taus``: the fractions
-    are shared by the batch (``ModelConfig.iqn_taus = "batch"``), so the τ embedding's matmul
-    runs once per batch, not per observation, and is not counted."""
+    are shared by the batch or by groups of its rows (``ModelConfig.iqn_taus = "batch"``), so
+    the τ embedding's matmul runs once per group (``iqn_tau_groups`` times per batch), not per
+    observation, and is not counted."""
     w, h, k, e, g = obs_width, cfg.width, cfg.n_experts, cfg.expert_hidden, cfg.gate_hidden
     hh, z, sizes = cfg.head_hidden, cfg.n_atoms, cfg.branch_sizes
     macs = w * w + w * h  # variable selection, projection
