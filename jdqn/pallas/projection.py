@@ -31,8 +31,13 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
   passed as ``xᵀ [Zp, B]`` and ``pᵀ [Dp·Zp, B]``, so each j-step loads contiguous ``[1, C]``
   vectors (coalesced), and the accumulators are ``[Zp, C]`` tiles; the output comes back as
   ``mᵀ`` and is transposed by XLA. Measured on the H200 at B = 16384 (``bench/kernels.py``,
-  ``bench/results/kernels_h200_projection_lanes.json``): **78 µs**, against 142 µs for
-  ``"rows"`` and 225 µs for the XLA reference; bitwise repeatable.
+  ``bench/results/kernels_h200_projection_lanes.json``): **78 µs** at 32 samples per program,
+  against 142 µs for ``"rows"`` and 225 µs for the XLA reference; bitwise repeatable. A sweep
+  of samples per program and warps (``kernels_h200_projection_tiles.json``, pads and
+  transposes included) gave 64.8–67.0 µs at **16 samples and 4 warps** against 75.7–79.8 at
+  32 and 4 (62.1 at 32 and 8; 8 samples or 1–2 warps slower), the same bits, so the layout
+  takes 16 (``LANES_SAMPLES_PER_PROGRAM``; the update: 2.807 / 2.816 against 2.845 / 2.825
+  ms, ``train_h200_f32_projection_lanes16_ab_console.json``).
 * ``"rows"``: samples along the block's rows; each step of the j-loop loads the column
   ``x[:, j]`` (a strided load of one float per row, uncoalesced). Kept as the measured
   alternative.
@@ -50,6 +55,9 @@ from jax.experimental import pallas as pl
 Array = jax.Array
 
 ROWS_PER_PROGRAM = 32  # samples per program at the default sizes (Dp·Zp = 256)
+# The "lanes" layout's samples per program (at most the layout's rows): 16 measured faster than
+# 32 on the H200 at B = 16384 (bench/results/kernels_h200_projection_tiles.json)
+LANES_SAMPLES_PER_PROGRAM = 16
 _ACCUMULATORS = 8192  # rows × Dp·Zp floats held per program
 _FAR = -1.0e4  # location of padded rows' atoms (in atom units): weight 0 everywhere
 
@@ -130,7 +138,8 @@ def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
     p = lay.branch_rows(probs, 0.0)
     zp, n_branches, rows, bp = lay.zp, lay.dp, lay.rows, lay.bp
     if layout == "lanes":
-        return _lanes(x, p, n_branches, z, zp, bp, rows, interpret)[:b, :n_real, :z].astype(
+        cols = min(rows, LANES_SAMPLES_PER_PROGRAM)  # divides bp, a multiple of rows
+        return _lanes(x, p, n_branches, z, zp, bp, cols, interpret)[:b, :n_real, :z].astype(
             probs.dtype)
     out = pl.pallas_call(
         functools.partial(_kernel, n_branches=n_branches, z=z, zp=zp),
