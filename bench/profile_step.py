@@ -108,15 +108,18 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "",
         per_proc[proc] += float(e.get("dur", 0.0))
         if "/device:" in proc and "host" not in proc.lower():
             dev_events.append(e)
+    # one row per (kernel, HLO instruction): a library kernel (a cuBLAS GEMM) that several
+    # instructions launch gets a row for each, so each can be attributed to its own scope
     by_name: dict = collections.defaultdict(lambda: [0, 0.0, ""])
     for e in dev_events:
-        rec = by_name[e["name"]]
+        args = e.get("args", {})
+        hlo_op = str(args.get("hlo_op", ""))
+        rec = by_name[(e["name"], hlo_op)]
         rec[0] += 1
         rec[1] += float(e.get("dur", 0.0))
-        args = e.get("args", {})
-        rec[2] = rec[2] or str(args.get("hlo_op", args.get("long_name", "")))[:160]
+        rec[2] = rec[2] or str(hlo_op or args.get("long_name", ""))[:160]
     kinds: dict = collections.Counter()
-    for name, (_, us, _) in by_name.items():
+    for (name, _), (_, us, _) in by_name.items():
         kinds[kind_of(name)] += us
     total = sum(us for _, us, _ in by_name.values())
     busy_per_dev: dict = collections.Counter()  # per device: union of [ts, ts + dur)
@@ -129,8 +132,9 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "",
     busy = sum(busy_per_dev.values()) / max(1, len(busy_per_dev))  # mean over devices
     ops = hlo_op_names(hlo_dir, program) if hlo_dir else {}
     scopes: dict = collections.Counter()
-    for name, rec in by_name.items():
-        op = ops.get(name.replace(".", "_").replace("-", "_"), "")
+    for (name, hlo_op), rec in by_name.items():
+        op = next((ops[k.replace(".", "_").replace("-", "_")] for k in (hlo_op, name)
+                   if k and k.replace(".", "_").replace("-", "_") in ops), "")
         rec[2] = op or rec[2]
         scopes[_scope(op) if op else kind_of(name) + " (unattributed)"] += rec[1]
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
@@ -142,9 +146,9 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "",
         "kinds_us_per_update": {k: round(v / n_updates, 1) for k, v in kinds.most_common()},
         "scopes_us_per_update": {k: round(v / n_updates, 1) for k, v in scopes.most_common()},
         "top": [{"name": n[:90], "kind": kind_of(n), "calls_per_update": round(c / n_updates, 2),
-                 "us_per_update": round(us / n_updates, 1),
+                 "us_per_update": round(us / n_updates, 1), "hlo_op": h,
                  "op": op.split("while/body/")[-1][:150]}
-                for n, (c, us, op) in rows],
+                for (n, h), (c, us, op) in rows],
     }
 
 

@@ -59,6 +59,38 @@ def test_profile_summary_counts_each_devices_busy_time_once():
     assert out["device_kernels_per_update"] == 2.0
 
 
+
+def test_profile_summary_attributes_a_library_kernel_per_hlo_instruction(tmp_path):
+    """A cuBLAS kernel that two HLO instructions launch (one name, different ``hlo_op``) gets a
+    row per instruction, each attributed to its own scope through the dumped HLO's metadata;
+    kernels carry their totals and kinds as before."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import profile_step
+
+    (tmp_path / "module_0001.jit_updates.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '  %custom-call.1 = f32[8,8]{1,0} custom-call(f32[8,8]{1,0} %a), metadata={op_name='
+        '"jit(updates)/while/body/jvp(BranchingQNetwork)/iqn/dot_general"}\n'
+        '  %custom-call.2 = f32[8,8]{1,0} custom-call(f32[8,8]{1,0} %b), metadata={op_name='
+        '"jit(updates)/while/body/transpose(jvp(BranchingQNetwork))/trunk/grn_0/dot_general"}\n')
+    gemm = "sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x256x32"
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+    spans = [(gemm, "custom-call.1", 0, 6), (gemm, "custom-call.2", 10, 4),
+             (gemm, "custom-call.2", 20, 4), ("loop_add_fusion", "", 30, 2)]
+    events = meta + [{"ph": "X", "name": n, "pid": 1, "ts": ts, "dur": dur,
+                      "args": {"hlo_op": op} if op else {}} for n, op, ts, dur in spans]
+    out = profile_step.summarise({"traceEvents": events}, n_updates=2, top=10,
+                                 hlo_dir=str(tmp_path))
+    rows = {r["hlo_op"]: r for r in out["top"]}
+    assert rows["custom-call.1"]["us_per_update"] == 3.0
+    assert rows["custom-call.1"]["op"] == "jvp(BranchingQNetwork)/iqn/dot_general"
+    assert rows["custom-call.2"]["calls_per_update"] == 1.0
+    assert rows["custom-call.2"]["us_per_update"] == 4.0
+    assert out["scopes_us_per_update"]["iqn"] == 3.0
+    assert out["scopes_us_per_update"]["bwd grn"] == 4.0
+    assert out["kinds_us_per_update"]["gemm"] == 7.0
+    assert out["device_kernels_per_update"] == 2.0
+
+
 def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
     printed = _bench(tmp_path, "checkpoint.py", "--config",
                      str(REPO / "configs" / "quickstart.toml"), "--set",
