@@ -79,6 +79,12 @@ def _scope(op_name: str) -> str:
     return bwd + tail.split("/")[-1][:24] if tail else "?"
 
 
+def _hlo_key(name: str) -> str:
+    """An HLO instruction or kernel name as both the dump and the trace can be matched on
+    (``custom-call.18`` and ``custom_call_18`` alike)."""
+    return name.replace(".", "_").replace("-", "_")
+
+
 def hlo_op_names(hlo_dir: str, program: str = "updates") -> dict:
     """Kernel name → HLO op_name metadata, from the dumped optimised HLO of ``jit(program)``
     (``updates`` or ``collect``)."""
@@ -90,7 +96,7 @@ def hlo_op_names(hlo_dir: str, program: str = "updates") -> dict:
     names = {}
     pat = re.compile(r'^\s+%?([\w.\-]+) = .*?op_name="([^"]+)"', re.MULTILINE)
     for m in pat.finditer(Path(files[-1]).read_text()):
-        names[m.group(1).replace(".", "_").replace("-", "_")] = m.group(2)
+        names[_hlo_key(m.group(1))] = m.group(2)
     return names
 
 
@@ -133,8 +139,7 @@ def summarise(trace: dict, n_updates: int, top: int, hlo_dir: str = "",
     ops = hlo_op_names(hlo_dir, program) if hlo_dir else {}
     scopes: dict = collections.Counter()
     for (name, hlo_op), rec in by_name.items():
-        op = next((ops[k.replace(".", "_").replace("-", "_")] for k in (hlo_op, name)
-                   if k and k.replace(".", "_").replace("-", "_") in ops), "")
+        op = next((ops[_hlo_key(k)] for k in (hlo_op, name) if k and _hlo_key(k) in ops), "")
         rec[2] = op or rec[2]
         scopes[_scope(op) if op else kind_of(name) + " (unattributed)"] += rec[1]
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]

@@ -59,7 +59,6 @@ def test_profile_summary_counts_each_devices_busy_time_once():
     assert out["device_kernels_per_update"] == 2.0
 
 
-
 def test_profile_summary_attributes_a_library_kernel_per_hlo_instruction(tmp_path):
     """A cuBLAS kernel that two HLO instructions launch (one name, different ``hlo_op``) gets a
     row per instruction, each attributed to its own scope through the dumped HLO's metadata;
