@@ -4,6 +4,7 @@ the timings themselves are not asserted — benchmarks measure, tests check)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,71 @@ def test_profile_summary_attributes_a_library_kernel_per_hlo_instruction(tmp_pat
     assert out["scopes_us_per_update"]["bwd grn"] == 4.0
     assert out["kinds_us_per_update"]["gemm"] == 7.0
     assert out["device_kernels_per_update"] == 2.0
+
+
+
+_FAKE_BENCH = """
+import json, os, sys
+import marker  # from the variant's own directory: the harness puts it first on the path
+with open(os.environ["AB_ORDER_LOG"], "a") as fh:
+    fh.write(marker.NAME + "\\n")
+if marker.NAME == "broken":
+    sys.exit("boom: this variant fails")
+print("a line that is not JSON")
+print(json.dumps({"updates": [{"ms_per_update": float(os.environ.get("FAKE_MS", "1.0"))}],
+                  "device": "fake device", "jax": "0.0", "argv": sys.argv[1:]}))
+"""
+
+
+def test_ab_harness_alternates_variants_and_writes_every_run_into_one_json(tmp_path):
+    """``bench/ab.py`` runs each variant's own script in rounds (A B C A B C), with the variant's
+    directory on the import path and its own environment, reads the metric from each run's
+    last JSON line, keeps a failing variant's error without stopping, and writes one JSON (the
+    same on stdout and in ``--out``) with every run and a per-variant summary."""
+    for name in ("a", "b", "broken"):
+        d = tmp_path / name
+        (d / "bench").mkdir(parents=True)
+        (d / "bench" / "fake.py").write_text(_FAKE_BENCH)
+        (d / "marker.py").write_text(f"NAME = {name!r}\n")
+    order_log, out = tmp_path / "order.log", tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ab.py"), "--variant", f"a={tmp_path / 'a'}",
+         "--variant", f"b={tmp_path / 'b'}", "--variant", f"broken={tmp_path / 'broken'}",
+         "--env", "b:FAKE_MS=2.5", "--rounds", "2", "--script", "bench/fake.py",
+         "--script-args", "--x 1", "--out", str(out), "--", "--y", "2"],
+        check=False, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "AB_ORDER_LOG": str(order_log), "FAKE_MS": "1.25"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == printed
+    assert order_log.read_text().split() == ["a", "b", "broken"] * 2
+    assert [(r["variant"], r["round"]) for r in printed["runs"]] == [
+        (v, k) for k in range(2) for v in ("a", "b", "broken")]
+    assert printed["summary"]["a"] == {"values": [1.25, 1.25], "best": 1.25, "mean": 1.25}
+    assert printed["summary"]["b"]["values"] == [2.5, 2.5]
+    assert printed["summary"]["broken"] == {"values": [], "best": None, "mean": None}
+    broken = [r for r in printed["runs"] if r["variant"] == "broken"]
+    assert all("boom" in r["error"] and r["returncode"] == 1 for r in broken)
+    ok = [r for r in printed["runs"] if r["variant"] == "a"]
+    assert ok[0]["record"]["argv"] == ["--x", "1", "--y", "2"]
+    assert printed["variants"]["b"]["env"] == {"FAKE_MS": "2.5"}
+    assert printed["variants"]["a"]["commit"] is None  # a plain directory, not a checkout
+    assert printed["device"] == "fake device" and printed["complete"] is True
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--variant", "a"], "expected NAME=DIR"),
+    (["--variant", "a=.", "--variant", "a=."], "given twice"),
+    (["--variant", "a=/no/such/dir"], "is not a directory"),
+    (["--variant", "a=.", "--env", "b:K=V"], "no variant named 'b'"),
+    (["--variant", "a=.", "--env", "a:K"], "expected NAME:KEY=VALUE"),
+    (["--variant", "a=.", "--script", "bench/none.py"], "bench/none.py not found"),
+    (["--variant", "a=.", "--rounds", "0"], "--rounds 0"),
+])
+def test_ab_harness_refuses_bad_arguments_naming_them(args, message):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "ab.py"), *args],
+                          check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
