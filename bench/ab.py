@@ -21,6 +21,11 @@ few files returns all the runs in one:
     python bench/ab.py --variant base=. --variant flag=. \\
         --env 'flag:XLA_FLAGS=--xla_gpu_enable_command_buffer=' -- --dtype bfloat16
 
+For a remote machine that receives only the working tree, keep the base inside it, untracked:
+``mkdir -p .ab/base && git archive aded933 jdqn bench configs | tar -x -C .ab/base`` (only
+those three folders, so the tests and the linter do not pick up a second copy; remove it
+before committing).
+
 Arguments after ``--`` are added to the script's (by default ``--batches 16384 --skip-epoch
 --skip-collect --fill batch --updates 100 --repeats 5``; ``--script-args`` replaces those).
 The harness does not import JAX, so it holds no device memory while the variants run.
