@@ -308,6 +308,67 @@ def test_moe_mixture_gradients_match_finite_differences():
         check_grads(moe_mixture_reference, (gate, e), order=1, modes=("rev",), eps=1e-6)
 
 
+def test_moe_output_bias_rides_in_the_mixture_product():
+    """The float32 MoE output ``weighted @ w2 + gate @ b2`` runs forward as one product over
+    ``[weighted, gate]`` (no separate bias pass) and backward as the two separate products:
+    the same values and gradients as the two-product form (float64), also vmapped over the
+    parameters with a shared input (the paired online/target forward at s′)."""
+    from jdqn.networks.trunk import _mix_with_bias
+
+    k = jax.random.split(jax.random.key(11), 5)
+    b, ke, n_k, h = 6, 12, 3, 5
+    with x64():
+        weighted = jax.random.normal(k[0], (b, ke), jnp.float64)
+        gate = jax.nn.softmax(jax.random.normal(k[1], (b, n_k), jnp.float64))
+        w2 = jax.random.normal(k[2], (ke, h), jnp.float64)
+        b2 = jax.random.normal(k[3], (n_k, h), jnp.float64)
+        ct = jax.random.normal(k[4], (b, h), jnp.float64)
+
+        def two(wt, g, w, c):
+            return wt @ w + g @ c
+
+        args = (weighted, gate, w2, b2)
+        np.testing.assert_allclose(_mix_with_bias(*args), two(*args), rtol=1e-13)
+        grads = [jax.grad(lambda *a, f=f: jnp.vdot(ct, f(*a)), argnums=(0, 1, 2, 3))(*args)
+                 for f in (_mix_with_bias, two)]
+        for g_fold, g_two in zip(*grads, strict=True):
+            np.testing.assert_allclose(g_fold, g_two, rtol=1e-12, atol=1e-13)
+        pair_w, pair_b = jnp.stack([w2, -w2]), jnp.stack([b2, 2 * b2])
+        np.testing.assert_allclose(
+            jax.vmap(_mix_with_bias, in_axes=(None, None, 0, 0))(weighted, gate, pair_w, pair_b),
+            jnp.stack([two(weighted, gate, w2, b2), two(weighted, gate, -w2, 2 * b2)]),
+            rtol=1e-12)
+        # one forward product over the K·E + K columns; the backward's are the separate ones
+        jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.vdot(ct, _mix_with_bias(*a)),
+                                        argnums=(0, 1, 2, 3)))(*args)
+        dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        contracted = [e.invars[0].aval.shape[d] for e in dots
+                      for d in e.params["dimension_numbers"][0][0]]
+        outputs = {tuple(e.outvars[0].aval.shape) for e in dots}
+        assert contracted.count(ke + n_k) == 1
+        assert (ke + n_k, h) not in outputs and {(ke, h), (n_k, h)} <= outputs
+
+
+def test_moe_layer_uses_the_folded_bias_product_in_float32_only():
+    moe = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6)
+    x = jax.random.normal(jax.random.key(0), (7, 9))
+    obs = jax.random.normal(jax.random.key(1), (7, W))
+    params = moe.init(jax.random.key(2), x, obs)
+    params["params"]["experts_out"]["bias"] = jax.random.normal(jax.random.key(3), (4, 9))
+
+    def names(m):
+        return {e.primitive.name for e in all_eqns(jax.make_jaxpr(
+            lambda p: m.apply(p, x, obs).h)(params).jaxpr)}
+
+    assert "custom_vjp_call" in names(moe) or "custom_vjp_call_jaxpr" in names(moe)
+    bf16 = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6, matmul_dtype="bfloat16")
+    assert not {"custom_vjp_call", "custom_vjp_call_jaxpr"} & names(bf16)
+    np.testing.assert_allclose(
+        moe.apply(params, x, obs).h,
+        moe_mixture_reference(moe.apply(params, x, obs).gate,
+                              expert_outputs(params["params"], x)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_whole_network_gradients_match_finite_differences(params):
     net = NET
