@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -534,6 +535,22 @@ def test_next_state_forwards_runs_both_networks_in_one_pass(online, target):
     two = jax.jit(functools.partial(next_state_forwards, NET, twin=False))(
         online, target, next_obs, taus)
     chex.assert_trees_all_close(two, (online_next, tgt), rtol=1e-5, atol=1e-6)
+
+
+def test_twin_pass_computes_the_expected_q_of_the_online_network_only(online):
+    """The loss reads the expected Q at s′ of the online network only. Taken from the pair's
+    output it would be computed for both networks and half of it dropped (XLA reduces before it
+    slices); computed from the online logits, the compiled program's softmax over the atoms
+    covers the pair only where the network itself needs both (the direction branch, whose
+    expected Q conditions the magnitude stream)."""
+    next_obs = _batch().next_obs
+    fn = jax.jit(lambda p, t: next_state_forwards(NET, p, t, next_obs, None)[0].q)
+    hlo = fn.lower(online, online).compile().as_text()
+    exps = re.findall(r"(f32\[[0-9,]*\])\S* exponential\(", hlo)
+    z, (n_dir, *rest) = SMALL.n_atoms, SMALL.branch_sizes
+    assert f"f32[2,{B},{n_dir},{z}]" in exps  # the pair's direction softmax (conditioning)
+    for a in set(rest):
+        assert f"f32[{B},{a},{z}]" in exps and f"f32[2,{B},{a},{z}]" not in exps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
