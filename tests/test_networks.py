@@ -626,6 +626,58 @@ def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions(g
                                                    for w in ("kernel", "bias")), "float32")
 
 
+def _first_iqn_contraction(fn, *args, n_q: int = 5) -> set[int]:
+    """The contraction lengths of the dot_generals in ``fn``'s jaxpr whose output is the IQN
+    hidden layer's pre-activation (``… Q·F`` columns; pick Q so no other layer has as many)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return {e.invars[0].aval.shape[e.params["dimension_numbers"][0][0][0]]
+            for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+            and e.outvars[0].aval.shape[-1] == n_q * SMALL.head_hidden}
+
+
+@pytest.mark.parametrize("groups", [0, 3], ids=["shared", "three_groups"])
+def test_iqn_bias_in_the_first_product_is_the_same_function(groups):
+    """``bias_in_product``: b1 as a weight row read by a constant-1 column of the padded h —
+    the same values and gradients (float64, w.r.t. every parameter and h); the first product
+    then contracts over H + 8. Not under bf16 matmuls or the Pallas bias reductions."""
+    from jdqn.networks.heads import IQNHead, iqn_features_shared
+
+    head = IQNHead(SMALL.branch_sizes, SMALL.iqn_embed, SMALL.head_hidden)
+    fold = IQNHead(SMALL.branch_sizes, SMALL.iqn_embed, SMALL.head_hidden,
+                   bias_in_product=True)
+    k = jax.random.split(jax.random.key(7), 3)
+    n = 9
+    with x64():
+        h = jax.random.normal(k[0], (n, SMALL.width), jnp.float64)
+        taus = jax.random.uniform(k[1], (5,) if groups == 0 else (groups, 5), jnp.float64)
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), head.init(k[2], h, taus))
+        params = jax.tree.map(lambda x: x + 0.1 * jnp.arange(x.size).reshape(x.shape) % 0.7,
+                              params)  # non-zero biases, some hidden units off (relu)
+        _assert_same_values_and_grads(lambda p: fold.apply(p, h, taus),
+                                      lambda p: head.apply(p, h, taus), params)
+        _assert_same_values_and_grads(lambda x: fold.apply(params, x, taus),
+                                      lambda x: head.apply(params, x, taus), h)
+        assert _first_iqn_contraction(lambda x: fold.apply(params, x, taus), h) == {
+            SMALL.width + 8}
+        assert _first_iqn_contraction(lambda x: head.apply(params, x, taus), h) == {SMALL.width}
+        p = params["params"]
+        weights = [p[m][w] for m in ("tau_embed", "fc", "out") for w in ("kernel", "bias")]
+        for md, impl in (("bfloat16", "xla"), ("float32", "pallas")):
+            assert _first_iqn_contraction(lambda x, md=md, impl=impl: iqn_features_shared(
+                x, taus, *weights, md, impl, True), h) == {SMALL.width}
+
+
+def test_network_puts_the_iqn_bias_in_the_product_only_where_no_gradient_is_taken(params):
+    obs, taus = _obs(4), jax.random.uniform(jax.random.key(3), (7,))
+    assert _first_iqn_contraction(lambda p: NET.apply(p, obs, taus, grad_free=True),
+                                  params, n_q=7) == {SMALL.width + 8}
+    assert _first_iqn_contraction(lambda p: NET.apply(p, obs, taus), params,
+                                  n_q=7) == {SMALL.width}
+    np.testing.assert_allclose(
+        np.concatenate(NET.apply(params, obs, taus, grad_free=True).quantiles, axis=1),
+        np.concatenate(NET.apply(params, obs, taus).quantiles, axis=1), rtol=1e-5, atol=1e-5)
+
+
 def test_network_takes_shared_and_grouped_fractions_for_the_first_rows(params):
     obs = _obs(6)
     taus = jax.random.uniform(jax.random.key(3), (4,))

@@ -52,10 +52,11 @@ class NetOutput(NamedTuple):
 
 
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
-    """The IQN head of ``c``; its fused kernel where no gradient is taken and ``c.impl`` says so."""
+    """The IQN head of ``c``. Where no gradient is taken: its fused kernel if ``c.impl`` says so,
+    and the hidden layer's bias inside the first product (:func:`iqn_features_shared`)."""
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
                    grad_free and use_pallas(c.impl, "iqn"),
-                   use_pallas(c.impl, "iqn_modulation"), c.impl, **kw)
+                   use_pallas(c.impl, "iqn_modulation"), c.impl, bias_in_product=grad_free, **kw)
 
 
 class BranchingQNetwork(nn.Module):
