@@ -100,7 +100,8 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     target = jax.tree.map(lambda x: x[1], both)
     # The online network's expected Q from its own logits, not sliced out of the pair's: XLA
     # computes a reduction before the slice that follows it, so the pair's Q would be computed
-    # for the target network too and half of it dropped (3 × 14 µs at B = 16384 on the H200)
+    # for the target network too and half of it dropped (three 14 µs kernels at B = 16384 in
+    # the H200's serial-graph profile)
     support = make_support(net.cfg.v_min, net.cfg.v_max, net.cfg.n_atoms,
                            dtype=online_next.logits[0].dtype)
     online_next = online_next._replace(q=tuple(expected_q(lg, support)
