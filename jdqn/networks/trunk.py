@@ -266,31 +266,28 @@ class MixtureOfExperts(nn.Module):
         return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _mix_with_bias(weighted: Array, gate: Array, w2: Array, b2: Array) -> Array:
     """The float32 MoE output ``weighted @ w2 + gate @ b2`` (weighted [B, K·E], gate [B, K],
     w2 [K·E, H], b2 [K, H]) as **one** product, ``[weighted, gate] @ [w2; b2]``: the bias
     ``Σ_k g_k b2_k`` is accumulated by the GEMM instead of added by a separate pass over the
     ``[B, H]`` output (H200, B = 16384, serial-graph profile: the MoE's forward kernels 278 →
-    230 µs per update). The backward pass is that of the two separate products:
-    differentiating the concatenated form runs the weight gradient as one ``[K·E + K, B] ×
-    [B, H]`` product, whose odd row count (520) cuBLAS tiles badly (43 µs against 29 for the
-    512 rows; the MoE's backward kernels 196 → 217 µs), where ``weightedᵀ dh`` and ``gateᵀ dh``
-    are the products the unfused layer had. The same function (tested, values and gradients,
-    also vmapped over the parameters)."""
+    230 µs per update). The derivative is that of the two separate products (a custom JVP, so
+    forward mode works too, and reverse mode transposes it into ``dh·w2ᵀ``, ``dh·b2ᵀ``,
+    ``weightedᵀ·dh`` and ``gateᵀ·dh``, the products the unfused layer had): differentiating
+    the concatenated form runs the weight gradient as one ``[K·E + K, B] × [B, H]`` product,
+    whose odd row count (520) cuBLAS tiles badly (43 µs against 29 for the 512 rows; the MoE's
+    backward kernels 196 → 217 µs). The same function (tested, values and derivatives, also
+    vmapped over the parameters)."""
     return jnp.dot(jnp.concatenate([weighted, gate], axis=-1), jnp.concatenate([w2, b2]))
 
 
-def _mix_with_bias_fwd(weighted: Array, gate: Array, w2: Array, b2: Array):
-    return _mix_with_bias(weighted, gate, w2, b2), (weighted, gate, w2, b2)
-
-
-def _mix_with_bias_bwd(res, dh: Array):
-    weighted, gate, w2, b2 = res
-    return dh @ w2.T, dh @ b2.T, weighted.T @ dh, gate.T @ dh
-
-
-_mix_with_bias.defvjp(_mix_with_bias_fwd, _mix_with_bias_bwd)
+@_mix_with_bias.defjvp
+def _mix_with_bias_jvp(primals, tangents):
+    weighted, gate, w2, b2 = primals
+    d_weighted, d_gate, d_w2, d_b2 = tangents
+    tangent = d_weighted @ w2 + d_gate @ b2 + weighted @ d_w2 + gate @ d_b2
+    return _mix_with_bias(weighted, gate, w2, b2), tangent
 
 
 def expert_outputs(moe_params: Any, x: Array, matmul_dtype: str = "float32") -> Array:
