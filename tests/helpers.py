@@ -53,6 +53,20 @@ def all_eqns(jaxpr):
             yield from all_eqns(sub)
 
 
+def dot_contractions(jaxpr) -> list[tuple[int, tuple[int, ...]]]:
+    """``(contraction length, output shape)`` of every ``dot_general`` of a jaxpr, sub-jaxprs
+    included; the length is the product over the contracted axes."""
+    out = []
+    for e in all_eqns(jaxpr):
+        if e.primitive.name == "dot_general":
+            lhs = e.invars[0].aval.shape
+            n = 1
+            for d in e.params["dimension_numbers"][0][0]:
+                n *= lhs[d]
+            out.append((n, tuple(e.outvars[0].aval.shape)))
+    return out
+
+
 def pallas_kernel_names(jaxpr) -> list[str]:
     """The names of the Pallas kernels a jaxpr calls, sub-jaxprs included (the parameter is
     ``name`` or, on other JAX versions, ``name_and_src_info``)."""

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import all_eqns, x64
+from helpers import all_eqns, dot_contractions, x64
 from jax.test_util import check_grads
 
 from jdqn.config import ModelConfig
@@ -346,11 +346,9 @@ def test_moe_output_bias_rides_in_the_mixture_product():
         # one forward product over the K·E + K columns; the backward's are the separate ones
         jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.vdot(ct, _mix_with_bias(*a)),
                                         argnums=(0, 1, 2, 3)))(*args)
-        dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        contracted = [e.invars[0].aval.shape[d] for e in dots
-                      for d in e.params["dimension_numbers"][0][0]]
-        outputs = {tuple(sorted(e.outvars[0].aval.shape)) for e in dots}  # either orientation
-        assert contracted.count(ke + n_k) == 1
+        dots = dot_contractions(jaxpr.jaxpr)
+        outputs = {tuple(sorted(shape)) for _, shape in dots}  # either orientation
+        assert [n for n, _ in dots].count(ke + n_k) == 1
         assert tuple(sorted((ke + n_k, h))) not in outputs
         assert {tuple(sorted((ke, h))), tuple(sorted((n_k, h)))} <= outputs
 
@@ -363,9 +361,8 @@ def test_moe_layer_uses_the_folded_bias_product_in_float32_only():
     params["params"]["experts_out"]["bias"] = jax.random.normal(jax.random.key(3), (4, 9))
 
     def contractions(m):  # the output layer: one product over K·E + K, or K·E and K apart
-        return sorted(e.invars[0].aval.shape[d] for e in all_eqns(jax.make_jaxpr(
-            lambda p: m.apply(p, x, obs).h)(params).jaxpr) if e.primitive.name == "dot_general"
-            for d in e.params["dimension_numbers"][0][0])
+        return [n for n, _ in dot_contractions(
+            jax.make_jaxpr(lambda p: m.apply(p, x, obs).h)(params).jaxpr)]
 
     assert 4 * 5 + 4 in contractions(moe)
     bf16 = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6, matmul_dtype="bfloat16")
@@ -636,10 +633,8 @@ def test_iqn_head_with_shared_fractions_is_the_per_row_head_at_those_fractions(g
 def _first_iqn_contraction(fn, *args, n_q: int = 5) -> set[int]:
     """The contraction lengths of the dot_generals in ``fn``'s jaxpr whose output is the IQN
     hidden layer's pre-activation (``… Q·F`` columns; pick Q so no other layer has as many)."""
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    return {e.invars[0].aval.shape[e.params["dimension_numbers"][0][0][0]]
-            for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
-            and e.outvars[0].aval.shape[-1] == n_q * SMALL.head_hidden}
+    return {n for n, shape in dot_contractions(jax.make_jaxpr(fn)(*args).jaxpr)
+            if shape[-1] == n_q * SMALL.head_hidden}
 
 
 @pytest.mark.parametrize("groups", [0, 3], ids=["shared", "three_groups"])
