@@ -131,8 +131,12 @@ def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
     or softmax reads (the value and four advantage output layers, the IQN output layer, the MoE
     gate logits) and the gate-weighted expert bias Σ_k g_k b2_k, which write float32, and the
     GRN blocks' parameter products W45·W1 and W45·b1 (parameters are float32). Checked by
-    output width, so swapping which layer writes float32 fails too."""
-    z, sizes = SMALL.n_atoms, SMALL.branch_sizes
+    output width, so swapping which layer writes float32 fails too (the C51 output layers
+    write their atoms padded to Zp columns per action, see pad_atoms)."""
+    from jdqn.networks.heads import ATOM_ALIGN
+
+    z, sizes = -(-SMALL.n_atoms // ATOM_ALIGN) * ATOM_ALIGN, SMALL.branch_sizes
+    assert z == 12  # SMALL's 11 atoms, padded
     wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts, SMALL.width,
                    *[2 * SMALL.width] * (2 * SMALL.n_grn_blocks)])
     dots = _dot_outputs(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
@@ -498,6 +502,37 @@ def test_fused_head_equals_five_separate_dense_streams(flow):
         _assert_same_values_and_grads(lambda p: head.apply(p, h, obs),
                                       lambda p: _reference_head(p["params"], h, obs, flow),
                                       params)
+
+
+def test_pad_atoms_pads_each_action_and_leaves_aligned_atoms_alone():
+    from jdqn.networks.heads import ATOM_ALIGN, pad_atoms
+
+    assert ATOM_ALIGN == 4  # 16 bytes of float32 (Z = 51 → 52)
+    kernel = jnp.arange(3 * 2 * 5, dtype=jnp.float32).reshape(3, 10) + 1  # 2 actions × 5 atoms
+    bias = jnp.arange(10, dtype=jnp.float32) + 1
+    k, b, zp = pad_atoms(kernel, bias, 2)
+    assert zp == 8 and k.shape == (3, 16) and b.shape == (16,)
+    np.testing.assert_array_equal(k.reshape(3, 2, 8)[:, :, :5], kernel.reshape(3, 2, 5))
+    np.testing.assert_array_equal(b.reshape(2, 8)[:, :5], bias.reshape(2, 5))
+    assert not np.any(k.reshape(3, 2, 8)[:, :, 5:]) and not np.any(b.reshape(2, 8)[:, 5:])
+    k, b, zp = pad_atoms(kernel[:, :8], bias[:8], 2)  # 4 atoms: aligned already
+    assert zp == 4 and k is not None
+    np.testing.assert_array_equal(k, kernel[:, :8])
+    np.testing.assert_array_equal(b, bias[:8])
+
+
+def test_c51_output_layers_write_their_atoms_padded_to_aligned_rows(params):
+    """Every C51 output-layer GEMM writes Zp = 12 columns per action (SMALL's 11 atoms rounded
+    up to a multiple of 4), none writes the unpadded Z; the logits are Z wide (the values are
+    the textbook head's: test_fused_head_equals_five_separate_dense_streams)."""
+    z, zp, sizes = SMALL.n_atoms, 12, SMALL.branch_sizes
+    widths = [w for _, w in _dot_outputs(jax.make_jaxpr(NET.apply)(params, _obs()).jaxpr)]
+    assert W == zp  # the variable-selection layer writes W = 12 columns as well
+    assert sorted(w for w in widths if w % zp == 0 and w <= max(sizes) * zp) == sorted(
+        [W, zp, *(a * zp for a in sizes)])
+    assert not {z, *(a * z for a in sizes)} & set(widths)
+    for lg, a in zip(APPLY(params, _obs()).logits, sizes, strict=True):
+        chex.assert_shape(lg, (B, a, z))
 
 
 def _assert_same_values_and_grads(fn, ref, params):

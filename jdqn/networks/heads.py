@@ -72,6 +72,34 @@ def centre_actions(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, A
             (c - jnp.mean(c, axis=0, keepdims=True)).reshape(-1))
 
 
+ATOM_ALIGN = 4  # output-layer columns per action: Z rounded up to a multiple of this
+
+
+def pad_atoms(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, Array, int]:
+    """An output layer ``kernel [n_in, A·Z]``, ``bias [A·Z]`` (columns action-major) with each
+    action's Z columns padded by zero columns to ``Zp`` = Z rounded up to a multiple of
+    :data:`ATOM_ALIGN`: ``(kernel [n_in, A·Zp], bias [A·Zp], Zp)``. The caller slices the
+    product's ``[B, A, Zp]`` back to ``[:, :, :Z]`` — the same values, and the padded columns'
+    gradients are dropped by that slice.
+
+    Why: with Z = 51 a float32 row of one action's atoms is 204 bytes, so the output-layer
+    GEMMs write ``[B, A·51]`` results whose per-action blocks start off 16-byte boundaries
+    (and for A = 3 whole rows do); padded to 52 columns they align, for 2 % more columns.
+    Measured on the H200 (the update at B = 16384, alternating runs in two machine sessions,
+    six per variant): float32 2.741–2.768 ms (mean 2.754) against 2.765–2.779 (mean 2.770)
+    unpadded; padding to 56 or 64 columns gained less (2.760–2.766 and 2.766–2.773 ms in the
+    first session, where unpadded measured 2.768–2.779), so it is the alignment, not a wider
+    tile, that pays. bf16: the same to within noise (1.834–1.846 ms either way)."""
+    n_in, cols = kernel.shape
+    z = cols // n_actions
+    zp = -(-z // ATOM_ALIGN) * ATOM_ALIGN
+    if zp == z:
+        return kernel, bias, z
+    kernel = jnp.pad(kernel.reshape(n_in, n_actions, z), ((0, 0), (0, 0), (0, zp - z)))
+    bias = jnp.pad(bias.reshape(n_actions, z), ((0, 0), (0, zp - z)))
+    return kernel.reshape(n_in, n_actions * zp), bias.reshape(-1), zp
+
+
 def expected_q(logits: Array, support: Array) -> Array:
     """``E[Q] = Σ_z softmax(logits)_z · z``. logits: [..., Z]; support: [Z] → [...]."""
     return jnp.sum(jax.nn.softmax(logits, axis=-1) * support, axis=-1)
@@ -118,7 +146,8 @@ class DuelingBranchingHead(nn.Module):
     the conditioning rows are added on top as small products, so ``[h, q_dir]`` and
     ``[h, flow]`` are never concatenated; the dueling centring ``A − mean_a A`` is applied to
     the advantage streams' output weights (:func:`centre_actions`), not to the ``[B, A_d, Z]``
-    advantages. Mathematically this is the same network (tested against the textbook form,
+    advantages; the output layers write each action's atoms padded to a 16-byte multiple
+    (:func:`pad_atoms`). Mathematically this is the same network (tested against the textbook form,
     values and gradients).
     """
 
@@ -152,18 +181,20 @@ class DuelingBranchingHead(nn.Module):
         pre = add_bias(matmul(h, w1, md, act), b1, self.impl)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
-        def second(s: str, x: Array, a: int = 0) -> Array:  # accumulates and returns `wide`
+        def second(s: str, x: Array, a: int = 0) -> Array:  # [B, max(a, 1), Z], in `wide`
             w, bias = out[s]
             if a:  # an advantage stream: centred over its A_d actions (the dueling form)
                 w, bias = centre_actions(w, bias, a)
-            return add_bias(matmul(nn.relu(x), w, md, wide), bias, self.impl)
+            n = max(a, 1)
+            w, bias, zp = pad_atoms(w, bias, n)
+            y = add_bias(matmul(nn.relu(x), w, md, wide), bias, self.impl)
+            return y.reshape(b, n, zp)[:, :, :z]
 
         def logits(d: int, x: Array) -> Array:
-            a = self.branch_sizes[d]
-            adv = second(BRANCH_NAMES[d], x, a).reshape(b, a, z)  # centred: Σ_a adv = 0
+            adv = second(BRANCH_NAMES[d], x, self.branch_sizes[d])  # centred: Σ_a adv = 0
             return value[:, None, :] + adv  # = dueling_logits(value, uncentred advantage)
 
-        value = second("value", pre["value"])  # [B, Z]
+        value = second("value", pre["value"])[:, 0]  # [B, Z]
         direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
         q_scale = max(abs(self.v_min), abs(self.v_max))
         q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
