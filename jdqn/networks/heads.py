@@ -85,11 +85,11 @@ def pad_atoms(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, Array,
     Why: with Z = 51 a float32 row of one action's atoms is 204 bytes, so the output-layer
     GEMMs write ``[B, A·51]`` results whose per-action blocks start off 16-byte boundaries
     (and for A = 3 whole rows do); padded to 52 columns they align, for 2 % more columns.
-    Measured on the H200 (the update at B = 16384, alternating runs in two machine sessions,
-    six per variant): float32 2.741–2.768 ms (mean 2.754) against 2.765–2.779 (mean 2.770)
-    unpadded; padding to 56 or 64 columns gained less (2.760–2.766 and 2.766–2.773 ms in the
-    first session, where unpadded measured 2.768–2.779), so it is the alignment, not a wider
-    tile, that pays. bf16: the same to within noise (1.834–1.846 ms either way)."""
+    Measured on the H200 (the update at B = 16384, float32, alternated with the unpadded
+    layers in three machine sessions): the mean 16–20 µs lower in each (2.741–2.773 ms over
+    eleven runs, against 2.765–2.792 over eight); padding to 56 or 64 columns gained less, so
+    it is the alignment, not a wider tile, that pays. bf16: the same to within noise
+    (1.834–1.846 ms either way). ``docs/model.md`` has the runs."""
     n_in, cols = kernel.shape
     z = cols // n_actions
     zp = -(-z // ATOM_ALIGN) * ATOM_ALIGN
