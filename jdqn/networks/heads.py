@@ -147,8 +147,8 @@ class DuelingBranchingHead(nn.Module):
     ``[h, flow]`` are never concatenated; the dueling centring ``A − mean_a A`` is applied to
     the advantage streams' output weights (:func:`centre_actions`), not to the ``[B, A_d, Z]``
     advantages; the output layers write each action's atoms padded to a 16-byte multiple
-    (:func:`pad_atoms`). Mathematically this is the same network (tested against the textbook form,
-    values and gradients).
+    (:func:`pad_atoms`). Mathematically this is the same network (tested against the textbook
+    form, values and gradients).
     """
 
     branch_sizes: tuple[int, ...]
