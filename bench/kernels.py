@@ -13,6 +13,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel moe        # the MoE mixture kernels, forward + backward
     python bench/kernels.py --kernel modulation # the IQN modulation's backward kernel
     python bench/kernels.py --kernel reduce     # the deterministic tree sum vs jnp.sum
+    python bench/kernels.py --kernel grn_tail   # a GRN block's tail (GLU + residual + LN)
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -251,6 +252,49 @@ def bench_modulation(b: int, reps: int, tiles: list[tuple[int, int]], q: int = 8
     return {"quantiles": q, "width": h, "results": results}
 
 
+def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256,
+                   pair: int = 2) -> dict:
+    """A GRN block's tail where no gradient is taken (``jdqn.pallas.grn_tail``), at the shape
+    of the update's paired online/target forward at s′ (``pair`` parameter sets vmapped over
+    one batch of ``b`` rows, width ``h``): XLA's kernels for the reference against the Pallas
+    kernel over tiles (rows per program, warps); the largest difference and a bitwise repeat.
+    The timing loop perturbs the first argument per iteration, so the bias ``[pair, 2H]`` comes
+    first here: perturbing the ``[pair, B, 2H]`` product instead would add a 67 MB pass to the
+    kernel's time that XLA fuses into its own kernels (the first timings of 2026-12-02,
+    ``kernels_h200_grn_tail.json``, carry it: 88–118 µs against 70 for XLA)."""
+    from jdqn.pallas import grn_tail
+
+    ks = jax.random.split(jax.random.key(0), 5)
+    args = (jax.random.normal(ks[1], (pair, 2 * h)), jax.random.normal(ks[0], (pair, b, 2 * h)),
+            jax.random.normal(ks[2], (pair, b, h)),
+            1.0 + 0.1 * jax.random.normal(ks[3], (pair, h)),
+            0.1 * jax.random.normal(ks[4], (pair, h)))
+
+    def bias_first(fn):
+        return jax.vmap(lambda bias, y, *rest: fn(y, bias, *rest))
+
+    fns = {"xla_reference": bias_first(grn_tail.reference)}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = bias_first(functools.partial(
+            grn_tail.grn_tail, eps=grn_tail.EPSILON, interpret=False, rows=rows, warps=warps))
+    ref = np.asarray(jax.jit(fns["xla_reference"])(*args))
+    results = {}
+    for name, fn in fns.items():
+        if name.startswith("pallas") and jax.default_backend() != "gpu":
+            results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
+            continue
+        try:
+            one = jax.jit(fn)
+            a, a2 = (np.asarray(jax.block_until_ready(one(*args))) for _ in range(2))
+            results[name] = {"us": round(1e6 * seconds_per_call(fn, args, reps), 1),
+                             "max_abs_diff": float(np.max(np.abs(a - ref))),
+                             "bitwise_repeat": bool(np.array_equal(a, a2))}
+        except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    return {"width": h, "pair": pair, "results": results}
+
+
 # Bias-gradient reductions of the default model's update at B = 16384 (rows, columns): the
 # variable selection, trunk width, GLU, experts' hidden layer, MoE gate, the heads' joint first
 # layer and their output layers, and the IQN head's three dense layers over B·Q rows (the τ
@@ -320,7 +364,7 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
-                                         "modulation", "reduce"),
+                                         "modulation", "reduce", "grn_tail"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -332,6 +376,8 @@ def main() -> None:
                     help="modulation kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--reduce-tiles", default="32/128/4,32/256/4,16/128/4,64/128/8",
                     help="tree-sum tiles to time: rows/cols/num_warps, comma-separated")
+    ap.add_argument("--grn-tiles", default="4/1,2/1,8/1,8/2,16/4,32/4",
+                    help="GRN tail kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
@@ -358,6 +404,12 @@ def main() -> None:
                           **bench_modulation(b, args.reps, [
                               tuple(int(v) for v in t.split("/"))
                               for t in args.modulation_tiles.split(",")]), **meta}))
+        return
+    if args.kernel == "grn_tail":
+        print(json.dumps({"bench": "kernels", "kernel": "grn_tail",
+                          **bench_grn_tail(b, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.grn_tiles.split(",")]), **meta}))
         return
     if args.kernel == "reduce":
         print(json.dumps({"bench": "kernels", "kernel": "reduce",

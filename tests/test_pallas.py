@@ -126,7 +126,7 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     from jdqn import pallas
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
-    assert pallas.use_pallas("auto", "projection")
+    assert pallas.use_pallas("auto", "projection") and pallas.use_pallas("auto", "grn_tail")
     # measured on the H200: slower than XLA there
     for slower in ("c51_loss", "iqn", "moe", "reductions"):
         assert slower not in pallas.GPU_VALIDATED
@@ -523,3 +523,129 @@ def test_modulation_kernel_keeps_nan_where_the_reference_does():
     for w, o in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.isnan(o), np.isnan(w))
     assert np.isnan(got[0][1, 3])
+
+
+# (M, H): a batch that is not a multiple of the rows per program, one row, the default width
+GRN_TAIL_SHAPES = [(37, 32), (1, 16), (64, 256)]
+
+
+def _grn_tail_args(m, h, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    return (jax.random.normal(k[0], (m, 2 * h)) * 2, jax.random.normal(k[1], (2 * h,)),
+            jax.random.normal(k[2], (m, h)), 1.0 + 0.3 * jax.random.normal(k[3], (h,)),
+            0.3 * jax.random.normal(k[4], (h,)))
+
+
+@pytest.mark.parametrize("shape", GRN_TAIL_SHAPES)
+def test_grn_tail_kernel_matches_the_float64_block_and_its_gradient(shape):
+    """Values against the reference in float64 (to float32 rounding); the gradient (a
+    recomputation through the reference) bitwise the reference's."""
+    from jdqn.pallas import grn_tail
+
+    args = _grn_tail_args(*shape)
+    got = grn_tail.grn_tail(*args, interpret=True)
+    assert got.shape == (shape[0], shape[1]) and got.dtype == jnp.float32
+    with x64():
+        want = grn_tail.reference(*(jnp.asarray(a, jnp.float64) for a in args))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    ct = jax.random.normal(jax.random.key(9), got.shape)
+    g_got = jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(*a, interpret=True) * ct),
+                     argnums=(0, 1, 2, 3, 4))(*args)
+    g_want = jax.grad(lambda *a: jnp.sum(grn_tail.reference(*a) * ct),
+                      argnums=(0, 1, 2, 3, 4))(*args)
+    for name, a, b in zip(("y", "b", "x", "scale", "offset"), g_got, g_want, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_grn_tail_kernel_rows_are_independent_and_it_vmaps_over_parameter_sets():
+    """Each row's output is its own (a row changed elsewhere in its block changes nothing else),
+    and vmapped over two parameter sets (the paired forward at s′) it is each set's result."""
+    from jdqn.pallas import grn_tail
+
+    y, b, x, scale, offset = _grn_tail_args(10, 32)
+    base = np.asarray(grn_tail.grn_tail(y, b, x, scale, offset, interpret=True))
+    moved = np.asarray(grn_tail.grn_tail(y.at[1].multiply(5.0), b, x, scale, offset,
+                                         interpret=True))
+    assert not np.array_equal(base[1], moved[1])
+    np.testing.assert_array_equal(np.delete(base, 1, 0), np.delete(moved, 1, 0))
+    y2, b2, _, scale2, offset2 = _grn_tail_args(10, 32, seed=1)
+    pair = jax.vmap(lambda *a: grn_tail.grn_tail(*a, interpret=True), in_axes=(0, 0, None, 0, 0))(
+        jnp.stack([y, y2]), jnp.stack([b, b2]), x, jnp.stack([scale, scale2]),
+        jnp.stack([offset, offset2]))
+    np.testing.assert_array_equal(pair[0], base)
+    np.testing.assert_array_equal(pair[1], grn_tail.grn_tail(y2, b2, x, scale2, offset2,
+                                                             interpret=True))
+
+
+def test_grn_tail_kernel_takes_only_float32_power_of_two_widths():
+    from jdqn.pallas import grn_tail
+
+    y, _, x, _, _ = _grn_tail_args(8, 32)
+    assert grn_tail.eligible(y, x)
+    assert not grn_tail.eligible(y.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+    assert not grn_tail.eligible(y[:, :48], x[:, :24])  # H = 24: not a power of two
+    assert not grn_tail.eligible(y[:4], x)  # rows differ
+    assert not grn_tail.eligible(y, x[:, :16])  # y is not [M, 2H]
+
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_grad_free_network_runs_each_grn_tail_as_the_kernel(monkeypatch, matmul_dtype):
+    """``impl = "pallas"``, only this kernel on: a ``grad_free`` forward runs one kernel per
+    GRN block and equals the XLA network to rounding (so the kernel's reference is the block's
+    function, flax's LayerNorm included); a differentiated forward, bf16 matmuls and
+    ``impl = "xla"`` run none."""
+    from helpers import pallas_kernel_names
+
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas",
+                        lambda impl, kernel: impl == "pallas" and kernel == "grn_tail")
+    cfg = ModelConfig(width=32, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=matmul_dtype)
+    obs = jax.random.normal(jax.random.key(1), (9, 24))
+    xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
+    params = init_params(xla_net, jax.random.key(0), 24)
+
+    def kernels(n, grad_free):
+        return pallas_kernel_names(jax.make_jaxpr(
+            lambda p: n.apply(p, obs, grad_free=grad_free).logits)(params).jaxpr)
+
+    assert kernels(net, False) == [] and kernels(xla_net, True) == []
+    if matmul_dtype == "bfloat16":
+        assert kernels(net, True) == []
+        return
+    assert kernels(net, True) == ["grn_tail", "grn_tail"]
+    got = net.apply(params, obs, grad_free=True)
+    want = xla_net.apply(params, obs)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fuse_next_obs", [False, True])
+def test_total_loss_runs_the_grn_tail_kernel_only_at_s_prime(monkeypatch, fuse_next_obs):
+    """The paired online/target forward at s′ (one vmapped kernel per block) or, with the
+    concatenated [s; s′] forward, the target's alone; never the differentiated forward at s."""
+    from helpers import pallas_kernel_names
+
+    from jdqn.losses import Batch
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas",
+                        lambda impl, kernel: impl == "pallas" and kernel == "grn_tail")
+    cfg = ModelConfig(width=32, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=False, impl="pallas",
+                      fuse_next_obs=fuse_next_obs)
+    net = BranchingQNetwork(cfg)
+    k = jax.random.split(jax.random.key(0), 4)
+    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
+    b = 6
+    batch = Batch(obs=jax.random.normal(k[2], (b, 24)), next_obs=jax.random.normal(k[3], (b, 24)),
+                  action=jnp.zeros((b, len(cfg.branch_sizes)), jnp.int32),
+                  reward=jnp.ones((b,)), discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    loss = functools.partial(total_loss, batch=batch, key=k[0], moe_state=init_moe_state(3),
+                             alpha=0.5, net=net, train_cfg=TrainConfig())
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, target)[0]))(params).jaxpr
+    names = pallas_kernel_names(jaxpr)  # (the loss's kernels follow jdqn.pallas.use_pallas)
+    assert [n for n in names if "grn" in n] == ["grn_tail", "grn_tail"]

@@ -14,6 +14,7 @@ weights, IQN or load balance (SPEC §5).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import chex
@@ -75,7 +76,8 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
                         twin: bool = True) -> tuple[NetOutput, NetOutput]:
     """The online network (action selection) and the target network at s′, no gradient:
     ``(online_next, target)``, each what ``net.apply`` returns for ``next_obs`` — the target's
-    with IQN quantiles at ``taus_prime`` (when given), the online one's without.
+    with IQN quantiles at ``taus_prime`` (when given), the online one's without. Both run
+    ``grad_free`` (the GRN blocks' tails as kernels where ``cfg.impl`` selects them).
 
     ``twin=True``: both read the same s′, so they run as **one** forward vmapped over the two
     parameter trees stacked on a leading axis, s′ shared (not broadcast) — every trunk and
@@ -90,12 +92,13 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     """
     params, target_params = jax.lax.stop_gradient((params, target_params))
     if not twin:
-        return (net.apply(params, next_obs),
+        return (net.apply(params, next_obs, grad_free=True),
                 net.apply(target_params, next_obs, taus_prime, grad_free=True))
     pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
     # s′ shared, not broadcast: each matmul reading s′ itself (the variable-selection layer, the
     # MoE gate's first layer) becomes one matmul against both networks' weights side by side
-    both = jax.vmap(net.apply, in_axes=(0, None))(pair, next_obs)
+    both = jax.vmap(functools.partial(net.apply, grad_free=True), in_axes=(0, None))(
+        pair, next_obs)
     online_next = jax.tree.map(lambda x: x[0], both)
     target = jax.tree.map(lambda x: x[1], both)
     # The online network's expected Q from its own logits, not sliced out of the pair's: XLA

@@ -70,9 +70,10 @@ class BranchingQNetwork(nn.Module):
     ``tau_rows / G`` consecutive rows (``ModelConfig.iqn_tau_groups``; G = ``tau_rows``:
     fractions per row, ``iqn_taus = "sample"``). ``flow_idx`` are the
     static column indices of the order-flow features in the observation. ``grad_free=True``
-    declares that no gradient will be taken through this call (the target network): it may then
-    use kernels whose backward pass is a recomputation (the fused IQN stack, when
-    ``cfg.impl`` selects it); the values are the same function either way. Such a call
+    declares that no gradient will be taken through this call (the forwards at s′, acting): it
+    may then use kernels whose backward pass is a recomputation (each GRN block's tail,
+    :mod:`jdqn.pallas.grn_tail`, and the fused IQN stack, when ``cfg.impl`` selects them); the
+    values are the same function either way, to rounding. Such a call
     supports reverse-mode differentiation (``jax.grad``) but not forward mode (``jax.jvp``,
     ``jax.jacfwd``: a ``custom_vjp`` has no JVP). The same holds for every call under
     ``impl = "pallas"`` (the MoE mixture and the IQN modulation then have custom VJPs) and for
@@ -87,7 +88,7 @@ class BranchingQNetwork(nn.Module):
                  grad_free: bool = False, tau_rows: int | None = None) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
-                      c.matmul_dtype, c.impl, name="trunk")(obs)
+                      c.matmul_dtype, c.impl, grad_free, name="trunk")(obs)
         logits = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
                                       c.v_max, tuple(self.flow_idx), c.matmul_dtype,
                                       c.impl, name="c51")(trunk.h, obs)

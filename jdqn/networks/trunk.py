@@ -141,6 +141,7 @@ class GRNBlock(nn.Module):
     width: int
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
+    grad_free: bool = False  # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -151,10 +152,29 @@ class GRNBlock(nn.Module):
         hi = jax.lax.Precision.HIGHEST  # parameter-sized products: exact float32
         w = jnp.dot(w1, w45, precision=hi)  # [H, 2H]
         b = jnp.dot(b1, w45, precision=hi) + b45
-        gate_and_value = add_bias(matmul(eta2, w, md, act_dtype(md, eta2)), b, impl)
-        gate, value = jnp.split(gate_and_value, 2, axis=-1)
+        product = matmul(eta2, w, md, act_dtype(md, eta2))
+        if self.grad_free and use_pallas(impl, "grn_tail"):
+            from jdqn.pallas import grn_tail
+
+            if grn_tail.eligible(product, x):  # bias, GLU, residual and LayerNorm: one kernel
+                scale, offset = _LayerNormParams(x.shape[-1], name="norm")()
+                return grn_tail.grn_tail(product, b, x, scale, offset, grn_tail.EPSILON,
+                                         jax.default_backend() != "gpu")
+        gate, value = jnp.split(add_bias(product, b, impl), 2, axis=-1)
         return nn.LayerNorm(dtype=compute_dtype(self.matmul_dtype), param_dtype=jnp.float32,
                             name="norm")(x + nn.sigmoid(gate) * value)
+
+
+class _LayerNormParams(nn.Module):
+    """The ``scale`` and ``bias`` of ``nn.LayerNorm`` (the same names, shapes and
+    initialisers), not applied: :class:`GRNBlock`'s fused tail reads them."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        return (self.param("scale", nn.initializers.ones, (self.features,), jnp.float32),
+                self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
 
 
 class VariableSelection(nn.Module):
@@ -324,13 +344,15 @@ class Trunk(nn.Module):
     gate_hidden: int
     matmul_dtype: str = "float32"
     impl: str = "xla"
+    grad_free: bool = False  # see BranchingQNetwork
 
     @nn.compact
     def __call__(self, obs: Array) -> TrunkOutput:
         x, selection = VariableSelection(self.matmul_dtype, self.impl, name="selection")(obs)
         h = dense(x, self.width, self.matmul_dtype, "proj", impl=self.impl)
         for i in range(self.n_grn_blocks):
-            h = GRNBlock(self.width, self.matmul_dtype, self.impl, name=f"grn_{i}")(h)
+            h = GRNBlock(self.width, self.matmul_dtype, self.impl, self.grad_free,
+                         name=f"grn_{i}")(h)
         moe = MixtureOfExperts(self.n_experts, self.expert_hidden, self.gate_hidden,
                                self.matmul_dtype, self.impl, name="moe")(h, obs)
         return TrunkOutput(h=moe.h, gate=moe.gate, selection=selection)

@@ -35,6 +35,11 @@ Kernels in this version:
   H200: alone, 439 vs 404 µs for XLA's ``jnp.sum`` over the update's twelve bias shapes (0.9× to
   3× per shape); slower in the update (3.70–3.76 vs 3.50–3.56 ms float32, 2.46 vs 2.35 bf16).
 
+* :func:`jdqn.pallas.grn_tail.grn_tail` — a GRN block's tail (the GLU's bias and gate, the
+  residual add and the LayerNorm) in one pass, where no gradient is taken (the paired online and
+  target forwards at s′, acting); the oracle is :func:`jdqn.pallas.grn_tail.reference`.
+  Measured on the H200: the update 2.706–2.716 against 2.750–2.753 ms (float32).
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -48,9 +53,10 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-# Kernels measured on the H200 to speed up the update (bench/results/). Not listed, measured
+# Kernels measured on the H200 to speed up the update (bench/results/: the projection, and the
+# GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json). Not listed, measured
 # slower in the update: "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
-GPU_VALIDATED = frozenset({"projection"})
+GPU_VALIDATED = frozenset({"projection", "grn_tail"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:

@@ -75,7 +75,7 @@ def explore(learner: Learner, q: tuple[jax.Array, ...], key: jax.Array,
 def greedy_policy(learner: Learner, params: Any, obs: jax.Array
                   ) -> tuple[jax.Array, env_core.PolicyAux]:
     """Deterministic evaluation policy: per-branch argmax of expected Q, plus the sizing aux."""
-    out = learner.net.apply(params, obs)
+    out = learner.net.apply(params, obs, grad_free=True)
     action = greedy_action(out)
     gap, var = policy_aux(out, action[:, 0])
     return action, env_core.PolicyAux(q_gap=gap, q_var=var)
@@ -97,7 +97,7 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
         st = carry
         key, k_act, k_reset = jax.random.split(st.key, 3)
         obs = env_core.observe(env_params, st.env)
-        out = learner.net.apply(st.params, obs)
+        out = learner.net.apply(st.params, obs, grad_free=True)
         action = explore(learner, out.q, parallel.device_key(k_act, ax), st.collect_step)
         gap, var = policy_aux(out, action[:, 0])
         env1, reward, done, info = env_core.step(env_params, st.env, action,
