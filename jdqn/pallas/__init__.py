@@ -36,9 +36,10 @@ Kernels in this version:
   3× per shape); slower in the update (3.70–3.76 vs 3.50–3.56 ms float32, 2.46 vs 2.35 bf16).
 
 * :func:`jdqn.pallas.grn_tail.grn_tail` — a GRN block's tail (the GLU's bias and gate, the
-  residual add and the LayerNorm) in one pass, where no gradient is taken (the paired online and
-  target forwards at s′, acting); the oracle is :func:`jdqn.pallas.grn_tail.reference`.
-  Measured on the H200: the update 2.706–2.716 against 2.750–2.753 ms (float32).
+  residual add and the LayerNorm) in one pass, where no gradient is taken (the online and target
+  forwards at s′, acting); the oracle is :func:`jdqn.pallas.grn_tail.reference`.
+  Measured on the H200: the update 2.706–2.738 against 2.744–2.802 ms (float32, three machine
+  sessions), 1.779–1.790 against 1.807–1.814 ms (bf16).
 
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
