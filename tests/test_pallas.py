@@ -525,8 +525,9 @@ def test_modulation_kernel_keeps_nan_where_the_reference_does():
     assert np.isnan(got[0][1, 3])
 
 
-# (M, H): a batch that is not a multiple of the rows per program, one row, the default width
-GRN_TAIL_SHAPES = [(37, 32), (1, 16), (64, 256)]
+# (M, H): a batch that is not a multiple of the rows per program, one row, the default width,
+# no rows
+GRN_TAIL_SHAPES = [(37, 32), (1, 16), (64, 256), (0, 16)]
 
 
 def _grn_tail_args(m, h, seed=0):

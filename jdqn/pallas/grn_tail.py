@@ -9,9 +9,8 @@ A GRN block (:class:`jdqn.networks.trunk.GRNBlock`) ends with
 XLA runs that as three kernels where no gradient is taken (the online and target forwards at
 s′, paired under float32 matmuls): the GLU with the residual add writes ``s`` ``[M, H]``, a
 reduction reads it for the statistics, and the normalisation reads it again and writes
-``out``. This kernel reads ``y``
-and ``x`` once and writes ``out`` once: each program owns ``rows`` rows, whose whole ``H``-wide
-sum stays in registers for the statistics. The oracle is :func:`reference` (what the block
+``out``. This kernel reads ``y`` and ``x`` once and writes ``out`` once: each program owns
+``rows`` rows, whose whole ``H``-wide sum stays in registers for the statistics. The oracle is :func:`reference` (what the block
 computes in plain JAX); the kernel agrees with it to float32 rounding (the sigmoid is
 ``1 / (1 + exp(−g))`` and the row means are Triton's reductions), not bitwise; the kernel's
 results are bitwise repeatable on the H200.
@@ -88,6 +87,8 @@ def eligible(y: Array, x: Array) -> bool:
 def _forward(y: Array, b: Array, x: Array, scale: Array, offset: Array, eps: float,
              interpret: bool, rows: int, warps: int) -> Array:
     m, h = x.shape
+    if m == 0:  # no rows, no programs
+        return reference(y, b, x, scale, offset, eps)
     mp = pl.cdiv(m, rows) * rows
     if mp != m:  # pad the rows to whole programs (padded rows are sliced off)
         y = jnp.pad(y, ((0, mp - m), (0, 0)))
