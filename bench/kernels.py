@@ -233,27 +233,38 @@ def bench_modulation(b: int, reps: int, tiles: list[tuple[int, int]], q: int = 8
                 modulation.ROWS, modulation.NUM_WARPS = old
         fns[f"pallas_rows{rows}_w{warps}"] = fn
     ref = jax.jit(xla)(*args)
+
+    def compare(a, a2):
+        rel = [float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a, ref)]
+        return {"max_rel_diff": dict(zip(("dh", "dpre", "dbe"), rel)),
+                "bitwise_repeat": all(bool(jnp.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"quantiles": q, "width": h, "results": _time_tiles(fns, args, reps, compare)}
+
+
+def _time_tiles(fns: dict, args: tuple, reps: int, compare, interpret: bool = False) -> dict:
+    """Per named function: µs per call (``seconds_per_call``) and what ``compare(a, a2)`` says
+    of two runs' outputs; Pallas rows off the GPU are skipped unless they run in the
+    interpreter (``interpret``), and a tile Triton rejects is recorded as its error. Each row is
+    also printed to stderr as it completes."""
     results = {}
     for name, fn in fns.items():
-        if name.startswith("pallas") and jax.default_backend() != "gpu":
+        if name.startswith("pallas") and jax.default_backend() != "gpu" and not interpret:
             results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
             continue
         try:
             one = jax.jit(fn)
             a, a2 = (jax.block_until_ready(one(*args)) for _ in range(2))
-            rel = [float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a, ref)]
             results[name] = {"us": round(1e6 * seconds_per_call(fn, args, reps), 1),
-                             "max_rel_diff": dict(zip(("dh", "dpre", "dbe"), rel)),
-                             "bitwise_repeat": all(bool(jnp.array_equal(x, y))
-                                                   for x, y in zip(a, a2))}
+                             **compare(a, a2)}
         except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    return {"quantiles": q, "width": h, "results": results}
+    return results
 
 
 def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256,
-                   pair: int = 2) -> dict:
+                   pair: int = 2, interpret: bool = False) -> dict:
     """A GRN block's tail where no gradient is taken (``jdqn.pallas.grn_tail``), at the shape
     of the update's paired online/target forward at s′ (``pair`` parameter sets vmapped over
     one batch of ``b`` rows, width ``h``): XLA's kernels for the reference against the Pallas
@@ -261,7 +272,8 @@ def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256
     The timing loop perturbs the first argument per iteration, so the bias ``[pair, 2H]`` comes
     first here: perturbing the ``[pair, B, 2H]`` product instead would add a 67 MB pass to the
     kernel's time that XLA fuses into its own kernels (the first timings of 2026-12-02,
-    ``kernels_h200_grn_tail.json``, carry it: 88–118 µs against 70 for XLA)."""
+    ``kernels_h200_grn_tail.json``, carry it: 88–118 µs against 70 for XLA). ``interpret``:
+    the kernel rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
     from jdqn.pallas import grn_tail
 
     ks = jax.random.split(jax.random.key(0), 5)
@@ -276,23 +288,17 @@ def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256
     fns = {"xla_reference": bias_first(grn_tail.reference)}
     for rows, warps in tiles:
         fns[f"pallas_rows{rows}_w{warps}"] = bias_first(functools.partial(
-            grn_tail.grn_tail, eps=grn_tail.EPSILON, interpret=False, rows=rows, warps=warps))
+            grn_tail.grn_tail, eps=grn_tail.EPSILON, interpret=interpret, rows=rows,
+            warps=warps))
     ref = np.asarray(jax.jit(fns["xla_reference"])(*args))
-    results = {}
-    for name, fn in fns.items():
-        if name.startswith("pallas") and jax.default_backend() != "gpu":
-            results[name] = {"skipped": "needs a GPU (tests run it in interpret mode)"}
-            continue
-        try:
-            one = jax.jit(fn)
-            a, a2 = (np.asarray(jax.block_until_ready(one(*args))) for _ in range(2))
-            results[name] = {"us": round(1e6 * seconds_per_call(fn, args, reps), 1),
-                             "max_abs_diff": float(np.max(np.abs(a - ref))),
-                             "bitwise_repeat": bool(np.array_equal(a, a2))}
-        except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
-            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    return {"width": h, "pair": pair, "results": results}
+
+    def compare(a, a2):
+        a, a2 = np.asarray(a), np.asarray(a2)
+        return {"max_abs_diff": float(np.max(np.abs(a - ref))),
+                "bitwise_repeat": bool(np.array_equal(a, a2))}
+
+    return {"width": h, "pair": pair, "interpret": interpret,
+            "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
 # Bias-gradient reductions of the default model's update at B = 16384 (rows, columns): the
@@ -381,7 +387,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce: run the kernel in Pallas' interpreter (tests)")
+                    help="--kernel reduce / grn_tail: run the kernel in Pallas' interpreter "
+                         "(tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -409,7 +416,8 @@ def main() -> None:
         print(json.dumps({"bench": "kernels", "kernel": "grn_tail",
                           **bench_grn_tail(b, args.reps, [
                               tuple(int(v) for v in t.split("/"))
-                              for t in args.grn_tiles.split(",")]), **meta}))
+                              for t in args.grn_tiles.split(",")], interpret=args.interpret),
+                          **meta}))
         return
     if args.kernel == "reduce":
         print(json.dumps({"bench": "kernels", "kernel": "reduce",

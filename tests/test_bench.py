@@ -191,6 +191,22 @@ def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
         assert "bitwise_reference" in row["pallas_r16_c64_w4"]
 
 
+def test_kernels_bench_times_the_grn_tail_against_xla_at_the_pair_shape():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kernels.py"), "--kernel", "grn_tail", "--batch",
+         "40", "--reps", "1", "--grn-tiles", "4/1,16/2", "--interpret"],
+        check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["kernel"] == "grn_tail" and out["batch"] == 40 and out["interpret"] is True
+    assert out["pair"] == 2 and out["width"] == 256
+    assert set(out["results"]) == {"xla_reference", "pallas_rows4_w1", "pallas_rows16_w2"}
+    for name, r in out["results"].items():
+        assert r["us"] > 0 and r["bitwise_repeat"], name
+        assert r["max_abs_diff"] < 1e-5, name
+    assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
+
+
 def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
     """``collect_dots`` finds the dots of a differentiated program — forward, backward, inside
     ``scan`` bodies (× length), under ``vmap`` (batch dimensions too), the costlier branch of a

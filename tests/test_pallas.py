@@ -261,12 +261,20 @@ def test_iqn_kernel_refuses_other_dtypes_and_empty_batches():
         iqn_features_pallas(args[0][:0], args[1][:0], *args[2:], "float32", True)
 
 
+def _small_batch(k_obs, k_next, n_branches: int, b: int = 6):
+    """Six transitions with random states (width 24), action 0 everywhere, reward 1, γ 0.9."""
+    from jdqn.losses import Batch
+
+    return Batch(obs=jax.random.normal(k_obs, (b, 24)), next_obs=jax.random.normal(k_next, (b, 24)),
+                 action=jnp.zeros((b, n_branches), jnp.int32), reward=jnp.ones((b,)),
+                 discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+
+
 @pytest.mark.parametrize("taus", ["sample", "batch"])
 def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeypatch, taus):
     """Per-sample fractions: the target network's quantiles go through the fused IQN kernel,
     the online ones do not. Fractions shared by groups of rows: no kernel (there is no per-row
     ``[B·Q, H]`` stack to fuse; the head folds φ(τ) into its weights)."""
-    from jdqn.losses import Batch
     from jdqn.networks import model as model_module
     from jdqn.pallas import iqn as iqn_module
 
@@ -282,10 +290,7 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
     net = BranchingQNetwork(cfg)
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
-    b = 6
-    batch = Batch(obs=jax.random.normal(k[2], (b, 24)), next_obs=jax.random.normal(k[3], (b, 24)),
-                  action=jnp.zeros((b, len(cfg.branch_sizes)), jnp.int32),
-                  reward=jnp.ones((b,)), discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
     jax.grad(lambda p: total_loss(p, target, batch, k[4], init_moe_state(3), 0.5, net=net,
                                   train_cfg=TrainConfig())[0])(params)
     if taus == "batch":
@@ -655,7 +660,6 @@ def test_total_loss_runs_the_grn_tail_kernel_only_at_s_prime(monkeypatch, fuse_n
     concatenated [s; s′] forward, the target's alone; never the differentiated forward at s."""
     from helpers import pallas_kernel_names
 
-    from jdqn.losses import Batch
     from jdqn.networks import trunk as trunk_module
 
     monkeypatch.setattr(trunk_module, "use_pallas",
@@ -666,10 +670,7 @@ def test_total_loss_runs_the_grn_tail_kernel_only_at_s_prime(monkeypatch, fuse_n
     net = BranchingQNetwork(cfg)
     k = jax.random.split(jax.random.key(0), 4)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
-    b = 6
-    batch = Batch(obs=jax.random.normal(k[2], (b, 24)), next_obs=jax.random.normal(k[3], (b, 24)),
-                  action=jnp.zeros((b, len(cfg.branch_sizes)), jnp.int32),
-                  reward=jnp.ones((b,)), discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
     loss = functools.partial(total_loss, batch=batch, key=k[0], moe_state=init_moe_state(3),
                              alpha=0.5, net=net, train_cfg=TrainConfig())
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, target)[0]))(params).jaxpr
