@@ -169,13 +169,17 @@ def test_checkpoint_bench_times_save_checksums_and_a_verified_restore(tmp_path):
         assert printed[k] > 0, k
 
 
-def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "kernels.py"), "--kernel", "reduce", "--batch",
-         "128", "--reps", "2", "--reduce-tiles", "32/256/4,16/64/4", "--interpret"],
-        check=False, capture_output=True, text=True, timeout=600)
+def _kernels_bench(*args: str) -> dict:
+    """Run ``bench/kernels.py`` with ``args``: its printed JSON record."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), *args],
+                          check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
+    out = _kernels_bench("--kernel", "reduce", "--batch", "128", "--reps", "2", "--reduce-tiles",
+                         "32/256/4,16/64/4", "--interpret")
     assert out["kernel"] == "reduce" and out["batch"] == 128
     # the twelve bias-gradient shapes, rows scaled to the batch (B·Q rows for the IQN head)
     assert len(out["results"]) == 12 and "128x640" in out["results"]
@@ -192,12 +196,8 @@ def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
 
 
 def test_kernels_bench_times_the_grn_tail_against_xla_at_the_pair_shape():
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "kernels.py"), "--kernel", "grn_tail", "--batch",
-         "40", "--reps", "1", "--grn-tiles", "4/1,16/2", "--interpret"],
-        check=False, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _kernels_bench("--kernel", "grn_tail", "--batch", "40", "--reps", "1", "--grn-tiles",
+                         "4/1,16/2", "--interpret")
     assert out["kernel"] == "grn_tail" and out["batch"] == 40 and out["interpret"] is True
     assert out["pair"] == 2 and out["width"] == 256
     assert set(out["results"]) == {"xla_reference", "pallas_rows4_w1", "pallas_rows16_w2"}
