@@ -14,6 +14,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel modulation # the IQN modulation's backward kernel
     python bench/kernels.py --kernel reduce     # the deterministic tree sum vs jnp.sum
     python bench/kernels.py --kernel grn_tail   # a GRN block's tail (GLU + residual + LN)
+    python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -301,6 +302,49 @@ def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
+def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
+                   sizes: tuple[int, ...] = (4, 3, 3, 3), interpret: bool = False) -> dict:
+    """The double-Q selection at s′ (``jdqn.pallas.double_q``) at the update's shape: the
+    paired online/target heads' output products (``[2, B, A_d·Zp]`` per branch, ``Zp`` = Z
+    rounded up to a multiple of 4) → the online greedy action and the target's softmax there.
+    XLA's kernels for the reference (the loss's path without the kernel: logits, expected Q,
+    argmax, selection, softmax) against the Pallas kernel over tiles (rows per program, warps):
+    the actions that differ from the reference's, the largest probability difference and a
+    bitwise repeat. The value stream's bias comes first (the timing loop perturbs the first
+    argument, and a small one adds no pass). ``interpret``: the kernel rows in Pallas'
+    interpreter (off the GPU; for tests — the times mean nothing)."""
+    from jdqn.networks.heads import ATOM_ALIGN, HeadStreams
+    from jdqn.pallas import double_q
+
+    zp = -(-z // ATOM_ALIGN) * ATOM_ALIGN
+    ks = iter(jax.random.split(jax.random.key(0), 2 + 2 * len(sizes)))
+
+    def normal(*shape):
+        return jax.random.normal(next(ks), (2, *shape), jnp.float32)
+
+    value_bias = normal(zp)
+    streams = HeadStreams(normal(b, zp), value_bias, tuple(normal(b, a * zp) for a in sizes),
+                          tuple(normal(a * zp) for a in sizes))
+
+    def bias_first(fn):
+        return lambda bias, s: fn(s._replace(value_bias=bias))
+
+    fns = {"xla_reference": bias_first(lambda s: double_q.reference(s, None, z, -10.0, 10.0))}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = bias_first(functools.partial(
+            double_q.double_q_next, target=None, z=z, v_min=-10.0, v_max=10.0,
+            interpret=interpret, rows=rows, num_warps=warps))
+    ref_a, ref_p = (np.asarray(x) for x in jax.jit(fns["xla_reference"])(value_bias, streams))
+
+    def compare(a, a2):
+        return {"actions_differing": int(np.sum(np.asarray(a[0]) != ref_a)),
+                "max_abs_diff": float(np.max(np.abs(np.asarray(a[1]) - ref_p))),
+                "bitwise_repeat": all(bool(jnp.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"branch_sizes": list(sizes), "pair": 2, "interpret": interpret,
+            "results": _time_tiles(fns, (value_bias, streams), reps, compare, interpret)}
+
+
 # Bias-gradient reductions of the default model's update at B = 16384 (rows, columns): the
 # variable selection, trunk width, GLU, experts' hidden layer, MoE gate, the heads' joint first
 # layer and their output layers, and the IQN head's three dense layers over B·Q rows (the τ
@@ -370,7 +414,7 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
-                                         "modulation", "reduce", "grn_tail"),
+                                         "modulation", "reduce", "grn_tail", "double_q"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -384,11 +428,13 @@ def main() -> None:
                     help="tree-sum tiles to time: rows/cols/num_warps, comma-separated")
     ap.add_argument("--grn-tiles", default="4/1,2/1,8/1,8/2,16/4,32/4",
                     help="GRN tail kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
+                    help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce / grn_tail: run the kernel in Pallas' interpreter "
-                         "(tests)")
+                    help="--kernel reduce / grn_tail / double_q: run the kernel in Pallas' "
+                         "interpreter (tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -418,6 +464,13 @@ def main() -> None:
                               tuple(int(v) for v in t.split("/"))
                               for t in args.grn_tiles.split(",")], interpret=args.interpret),
                           **meta}))
+        return
+    if args.kernel == "double_q":
+        print(json.dumps({"bench": "kernels", "kernel": "double_q",
+                          **bench_double_q(b, z, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.double_q_tiles.split(",")],
+                              interpret=args.interpret), **meta}))
         return
     if args.kernel == "reduce":
         print(json.dumps({"bench": "kernels", "kernel": "reduce",

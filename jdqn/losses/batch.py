@@ -67,15 +67,19 @@ def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float) -> Arra
 
 
 def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Array,
-                            discount: Array, target_logits: tuple[Array, ...],
-                            q_selector: tuple[Array, ...], v_min: float, v_max: float,
-                            alpha: Array, impl: str = "xla") -> dict[str, Array]:
+                            discount: Array, target_logits: tuple[Array, ...] | None,
+                            q_selector: tuple[Array, ...] | None, v_min: float, v_max: float,
+                            alpha: Array, impl: str = "xla",
+                            next_probs: Array | None = None) -> dict[str, Array]:
     """Batch form of :func:`jdqn.losses.categorical.branching_td_loss`.
 
     logits, target_logits: per branch [B, A_d, Z]; action int [B, D]; reward, discount [B];
     q_selector: per branch [B, A_d] (online expected Q at s′). Returns a dict of [B, D]:
     ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean``. ``impl`` (``ModelConfig.impl``)
     selects the implementation of the loss terms and of the projection (see :mod:`jdqn.pallas`).
+    ``next_probs`` [B, D, ≥ Z] (zero beyond Z): the target's distribution at the double-Q
+    action, already selected (:func:`jdqn.pallas.double_q.double_q_next`); then
+    ``target_logits`` and ``q_selector`` are not read (pass None).
     """
     from jdqn.pallas import c51_terms
 
@@ -83,27 +87,36 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
     z = logits[0].shape[-1]
     support = jnp.linspace(v_min, v_max, z, dtype=logits[0].dtype)
     taken = jnp.stack([select(lg, action[:, d]) for d, lg in enumerate(logits)], 1)  # [B,D,Z]
-    nxt = jnp.stack([argmax_select(tl, qs) for tl, qs in zip(target_logits, q_selector,
-                                                              strict=True)], 1)  # [B, D, Z]
+    nxt = None
+    if next_probs is None:
+        nxt = jax.lax.stop_gradient(jnp.stack([
+            argmax_select(tl, qs) for tl, qs in zip(target_logits, q_selector, strict=True)],
+            1))  # [B, D, Z]
     tz = reward[:, None] + discount[:, None] * support  # [B, Z]
-    sq, ce, target_mean = c51_terms(taken, jax.lax.stop_gradient(nxt),
-                                    jax.lax.stop_gradient(tz), v_min, v_max, impl)
+    sq, ce, target_mean = c51_terms(taken, nxt, jax.lax.stop_gradient(tz), v_min, v_max, impl,
+                                    next_probs)
     td = (1.0 - alpha) * sq + alpha * ce
     return {"td": td, "sq": sq, "ce": ce, "target_mean": target_mean}
 
 
 def branching_iqn_loss_batch(quantiles: tuple[Array, ...], taus: Array, action: Array,
                              reward: Array, discount: Array,
-                             target_quantiles: tuple[Array, ...], q_selector: tuple[Array, ...],
-                             v_min: float, v_max: float, kappa: float = 1.0) -> Array:
+                             target_quantiles: tuple[Array, ...],
+                             q_selector: tuple[Array, ...] | None, v_min: float, v_max: float,
+                             kappa: float = 1.0, next_action: Array | None = None) -> Array:
     """Batch form of :func:`jdqn.losses.quantile.branching_iqn_loss`.
 
     quantiles: per branch [B, A_d, N] at ``taus [B, N]``; target_quantiles: per branch
-    [B, A_d, N′]; the rest as in :func:`branching_td_loss_batch`. Returns [B, D].
+    [B, A_d, N′]; the rest as in :func:`branching_td_loss_batch`. ``next_action`` int [B, D]:
+    the double-Q action, already selected; then ``q_selector`` is not read. Returns [B, D].
     """
     theta = jnp.stack([select(q, action[:, d]) for d, q in enumerate(quantiles)], 1)  # [B,D,N]
-    tq = jnp.stack([argmax_select(t, qs) for t, qs in zip(target_quantiles, q_selector,
-                                                           strict=True)], 1)  # [B, D, N′]
+    if next_action is None:
+        tq = jnp.stack([argmax_select(t, qs) for t, qs in zip(target_quantiles, q_selector,
+                                                               strict=True)], 1)  # [B, D, N′]
+    else:
+        tq = jnp.stack([select(t, next_action[:, d]) for d, t in enumerate(target_quantiles)],
+                       1)
     target = jnp.clip(reward[:, None, None] + discount[:, None, None] * tq, v_min, v_max)
     u = jax.lax.stop_gradient(target)[:, :, None, :] - theta[..., None]  # [B, D, N, N′]
     weight = jnp.abs(taus[:, None, :, None] - (u < 0).astype(u.dtype))

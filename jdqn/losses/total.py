@@ -34,6 +34,7 @@ from jdqn.losses.moe import (
 )
 from jdqn.networks.heads import DIRECTION, expected_q, make_support, q_gap
 from jdqn.networks.model import BranchingQNetwork, NetOutput, iqn_quantiles
+from jdqn.pallas import use_pallas
 
 Array = jax.Array
 
@@ -115,6 +116,48 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     return online_next, target
 
 
+def double_q_applies(cfg: ModelConfig) -> bool:
+    """Whether :func:`total_loss` selects the double-Q action and the target distribution at s′
+    with the kernel of :mod:`jdqn.pallas.double_q` (:func:`next_state_double_q`): where
+    ``cfg.impl`` selects it, and the online forward at s′ is a forward of its own (not under
+    ``fuse_next_obs``, where it is part of the differentiated forward)."""
+    return not cfg.fuse_next_obs and use_pallas(cfg.impl, "double_q")
+
+
+def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
+                        next_obs: Array, taus_prime: Array | None,
+                        twin: bool = True) -> tuple[Array, Array, tuple[Array, ...] | None]:
+    """What the targets read from s′, through the double-Q kernel: ``(a* int32 [B, D], the
+    target network's probabilities at a* [B, D, Zb] (zero beyond Z), the target's IQN
+    quantiles per branch [B, A_d, N′] or None)``. The same forwards as
+    :func:`next_state_forwards` (``twin`` likewise), with the C51 heads returning their
+    output-layer products (``head_streams``), from which
+    :func:`jdqn.pallas.double_q.double_q_next` computes the online expected Q, its argmax and
+    the target's softmax there without writing either network's logits. The same function as
+    selecting from :func:`next_state_forwards`' outputs, to float32 rounding (tested)."""
+    from jdqn.pallas import double_q
+
+    c = net.cfg
+    params, target_params = jax.lax.stop_gradient((params, target_params))
+    apply = functools.partial(net.apply, grad_free=True, head_streams=True)
+    interpret = jax.default_backend() != "gpu"
+    if twin:
+        pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
+        both = jax.vmap(apply, in_axes=(0, None))(pair, next_obs)
+        action, probs = double_q.double_q_next(both.streams, None, c.n_atoms, c.v_min,
+                                               c.v_max, interpret)
+        features = both.features[1]
+        quantiles = None if taus_prime is None else iqn_quantiles(
+            net, target_params, features, taus_prime, grad_free=True)
+    else:
+        online = apply(params, next_obs)
+        target = apply(target_params, next_obs, taus_prime)
+        action, probs = double_q.double_q_next(online.streams, target.streams, c.n_atoms,
+                                               c.v_min, c.v_max, interpret)
+        quantiles = target.quantiles
+    return action, probs, quantiles
+
+
 def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_state: MoEState,
                alpha: Array, *, net: BranchingQNetwork, train_cfg: TrainConfig,
                axis_name: str | None = None) -> tuple[Array, tuple[dict, Array, MoEState, dict]]:
@@ -158,7 +201,13 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
         taus_prime = jax.random.uniform(k_target, (*rows, cfg.iqn_n_prime), jnp.float32)
 
     # Online network at s (with gradient) and at s′ (action selection only); target at s′.
-    if cfg.fuse_next_obs:
+    next_action = next_probs = None
+    if double_q_applies(cfg):  # the double-Q selection as one kernel on the heads' products
+        online = net.apply(params, batch.obs, taus)
+        next_action, next_probs, target_quantiles = next_state_double_q(
+            net, params, target_params, batch.next_obs, taus_prime,
+            twin=pairs_next_state_forwards(cfg))
+    elif cfg.fuse_next_obs:
         both = net.apply(params, jnp.concatenate([batch.obs, batch.next_obs], axis=0), taus,
                          tau_rows=b)
         online, online_next = _rows(both, slice(0, b)), _rows(both, slice(b, 2 * b))
@@ -167,13 +216,18 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
         online = net.apply(params, batch.obs, taus)
         online_next, target = next_state_forwards(net, params, target_params, batch.next_obs,
                                                   taus_prime, twin=pairs_next_state_forwards(cfg))
-    online_next = jax.lax.stop_gradient(online_next)
-    target = jax.lax.stop_gradient(target)
+    if next_probs is None:
+        online_next = jax.lax.stop_gradient(online_next)
+        target = jax.lax.stop_gradient(target)
+        target_logits, q_selector = target.logits, online_next.q
+        target_quantiles = target.quantiles
+    else:
+        target_logits = q_selector = None
 
     td = branching_td_loss_batch(online.logits, batch.action, batch.reward, batch.discount,
-                                 target.logits, online_next.q, cfg.v_min, cfg.v_max,
+                                 target_logits, q_selector, cfg.v_min, cfg.v_max,
                                  jnp.asarray(alpha, online.logits[0].dtype),
-                                 impl=cfg.impl)  # dict of [B, D]
+                                 impl=cfg.impl, next_probs=next_probs)  # dict of [B, D]
     w = batch.weight
     td_loss = jnp.mean(w * jnp.mean(td["td"], axis=1))
     components = {
@@ -187,8 +241,9 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
         taus_b = (jnp.broadcast_to(taus, (b, cfg.iqn_n)) if taus.ndim == 1  # each sample's
                   else jnp.repeat(taus, b // taus.shape[0], axis=0))  # fractions
         iqn = branching_iqn_loss_batch(online.quantiles, taus_b, batch.action, batch.reward,
-                                       batch.discount, target.quantiles, online_next.q,
-                                       cfg.v_min, cfg.v_max)  # [B, D]
+                                       batch.discount, jax.lax.stop_gradient(target_quantiles),
+                                       q_selector, cfg.v_min, cfg.v_max,
+                                       next_action=next_action)  # [B, D]
         iqn_loss = jnp.mean(w * jnp.mean(iqn, axis=1))
     components["iqn"] = iqn_loss
 

@@ -18,7 +18,7 @@ Conditioning (SPEC §4):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -119,6 +119,33 @@ def q_gap(q: Array) -> Array:
     return top2[..., 0] - top2[..., 1]
 
 
+class HeadStreams(NamedTuple):
+    """The dueling C51 head's output-layer products, before their bias adds (what
+    :class:`DuelingBranchingHead` returns with ``streams=True``, for the double-Q kernel
+    :mod:`jdqn.pallas.double_q`).
+
+    Per stream, the product ``relu(hidden) · W`` with the stream's weights centred over the
+    actions (advantages, :func:`jdqn.networks.heads.centre_actions`) and each action's atoms
+    padded to ``Zp`` columns (:func:`pad_atoms`), and the matching bias.
+    Branch ``d``'s logits are ``(value + value_bias)[:, None, :Z] + (adv[d] + adv_bias[d])
+    .reshape(B, A_d, Zp)[:, :, :Z]`` (:func:`stream_logits`). Under ``vmap`` (the paired online/target
+    forward) every leaf has the pair axis in front."""
+
+    value: Array  # [B, Zp]
+    value_bias: Array  # [Zp]
+    adv: tuple[Array, ...]  # per branch [B, A_d·Zp]
+    adv_bias: tuple[Array, ...]  # per branch [A_d·Zp]
+
+
+def stream_logits(streams: HeadStreams, z: int) -> tuple[Array, ...]:
+    """Per branch ``[B, A_d, Z]`` logits of one network's :class:`HeadStreams` (the head's
+    own arithmetic: bias adds, then the value stream added to each action's atoms)."""
+    b, zp = streams.value.shape
+    value = (streams.value + streams.value_bias)[:, :z]
+    return tuple(value[:, None, :] + (adv + bias).reshape(b, adv.shape[-1] // zp, zp)[:, :, :z]
+                 for adv, bias in zip(streams.adv, streams.adv_bias, strict=True))
+
+
 def _small_matmul(x: Array, w: Array) -> Array:
     """``x [B, k] @ w [k, n]`` for a handful of inputs (k ≤ 8) as a sum of broadcasts, which XLA
     fuses into its consumer instead of launching a matmul with a tiny contraction; a plain
@@ -149,6 +176,9 @@ class DuelingBranchingHead(nn.Module):
     advantages; the output layers write each action's atoms padded to a 16-byte multiple
     (:func:`pad_atoms`). Mathematically this is the same network (tested against the textbook
     form, values and gradients).
+
+    ``streams=True`` (grad-free forwards at s′): returns the output layers' products and biases
+    (:class:`HeadStreams`) for the double-Q kernel instead of the logits.
     """
 
     branch_sizes: tuple[int, ...]
@@ -159,9 +189,10 @@ class DuelingBranchingHead(nn.Module):
     flow_idx: tuple[int, ...] = ()
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
+    streams: bool = False  # return the output layers' products (HeadStreams), not the logits
 
     @nn.compact
-    def __call__(self, h: Array, obs: Array) -> tuple[Array, ...]:
+    def __call__(self, h: Array, obs: Array) -> tuple[Array, ...] | HeadStreams:
         b, z, hid, md = h.shape[0], self.n_atoms, self.hidden, self.matmul_dtype
         width, n_flow = h.shape[-1], len(self.flow_idx)
         act, wide = act_dtype(md, h), wide_dtype(md, h)  # hidden layers / logits
@@ -181,14 +212,17 @@ class DuelingBranchingHead(nn.Module):
         pre = add_bias(matmul(h, w1, md, act), b1, self.impl)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
+        products = {}  # stream -> (its output product [B, n·Zp] without the bias, the bias)
+
         def second(s: str, x: Array, a: int = 0) -> Array:  # [B, max(a, 1), Z], in `wide`
             w, bias = out[s]
             if a:  # an advantage stream: centred over its A_d actions (the dueling form)
                 w, bias = centre_actions(w, bias, a)
             n = max(a, 1)
             w, bias, zp = pad_atoms(w, bias, n)
-            y = add_bias(matmul(nn.relu(x), w, md, wide), bias, self.impl)
-            return y.reshape(b, n, zp)[:, :, :z]
+            y = matmul(nn.relu(x), w, md, wide)
+            products[s] = (y, bias)
+            return add_bias(y, bias, self.impl).reshape(b, n, zp)[:, :, :z]
 
         def logits(d: int, x: Array) -> Array:
             adv = second(BRANCH_NAMES[d], x, self.branch_sizes[d])  # centred: Σ_a adv = 0
@@ -209,6 +243,11 @@ class DuelingBranchingHead(nn.Module):
                 x = (x.astype(wide) + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
                      ).astype(act)
             rest.append(logits(d, x))
+        if self.streams:  # the products for the double-Q kernel (the unused logits are dead
+            #               code: only the direction's, for the magnitude's conditioning, run)
+            names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
+            return HeadStreams(*products["value"], tuple(products[s][0] for s in names),
+                               tuple(products[s][1] for s in names))
         return (direction, magnitude, *rest)
 
 

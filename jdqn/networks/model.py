@@ -28,6 +28,7 @@ from jdqn.config import ModelConfig
 from jdqn.networks.heads import (
     DIRECTION,
     DuelingBranchingHead,
+    HeadStreams,
     IQNHead,
     expected_q,
     make_support,
@@ -49,6 +50,8 @@ class NetOutput(NamedTuple):
     aux: dict[str, Array]  # diagnostics: 'selection' [B, W] variable-selection weights,
     #                        'gate_util' [K] = mean_b gate, 'gate_entropy' [] = mean_b H(gate[b])
     features: Array  # [B, H] the trunk's output h (what the heads read; see iqn_quantiles)
+    # head_streams=True: the C51 head's output products (then logits, q and q_var are empty)
+    streams: HeadStreams | None = None
 
 
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
@@ -77,7 +80,9 @@ class BranchingQNetwork(nn.Module):
     supports reverse-mode differentiation (``jax.grad``) but not forward mode (``jax.jvp``,
     ``jax.jacfwd``: a ``custom_vjp`` has no JVP). The same holds for every call under
     ``impl = "pallas"`` (the MoE mixture and the IQN modulation then have custom VJPs) and for
-    kernels ``"auto"`` takes on the GPU.
+    kernels ``"auto"`` takes on the GPU. ``head_streams=True``: the output carries the C51
+    head's output-layer products (``NetOutput.streams``, for the double-Q kernel
+    :mod:`jdqn.pallas.double_q`) instead of logits, Q and Var[Q] (empty tuples).
     """
 
     cfg: ModelConfig
@@ -85,14 +90,17 @@ class BranchingQNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array, taus: Array | None = None,
-                 grad_free: bool = False, tau_rows: int | None = None) -> NetOutput:
+                 grad_free: bool = False, tau_rows: int | None = None,
+                 head_streams: bool = False) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
                       c.matmul_dtype, c.impl, grad_free, name="trunk")(obs)
-        logits = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
-                                      c.v_max, tuple(self.flow_idx), c.matmul_dtype,
-                                      c.impl, name="c51")(trunk.h, obs)
-        support = make_support(c.v_min, c.v_max, c.n_atoms, dtype=logits[0].dtype)
+        head = DuelingBranchingHead(tuple(c.branch_sizes), c.n_atoms, c.head_hidden, c.v_min,
+                                    c.v_max, tuple(self.flow_idx), c.matmul_dtype, c.impl,
+                                    streams=head_streams, name="c51")(trunk.h, obs)
+        streams, logits = (head, ()) if head_streams else (None, head)
+        support = make_support(c.v_min, c.v_max, c.n_atoms,
+                               dtype=logits[0].dtype if logits else jnp.float32)
         quantiles = None
         if taus is not None:
             if not c.iqn:
@@ -120,6 +128,7 @@ class BranchingQNetwork(nn.Module):
                  "gate_entropy": jnp.mean(-jnp.sum(trunk.gate * jnp.log(trunk.gate + 1e-12),
                                                    axis=-1))},
             features=trunk.h,
+            streams=streams,
         )
 
 

@@ -57,7 +57,7 @@ Array = jax.Array
 # Kernels measured on the H200 to speed up the update (bench/results/: the projection, and the
 # GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json). Not listed, measured
 # slower in the update: "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
-GPU_VALIDATED = frozenset({"projection", "grn_tail"})
+GPU_VALIDATED = frozenset({"projection", "grn_tail", "double_q"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:
@@ -73,30 +73,36 @@ def use_pallas(impl: str, kernel: str = "projection") -> bool:
 
 def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float, impl: str) -> Array:
     """The C51 target projection (see :func:`jdqn.losses.batch.project_uniform`) through the
-    implementation ``impl`` selects. Off the GPU the Pallas kernel runs in interpret mode."""
+    implementation ``impl`` selects. Off the GPU the Pallas kernel runs in interpret mode.
+    ``probs`` may carry more atoms than ``tz`` (zeros, as the double-Q kernel pads them): only
+    the first Z are projected."""
     from jdqn.losses.batch import project_uniform as reference
 
     if not use_pallas(impl, "projection"):
-        return reference(tz, probs, v_min, v_max)
+        return reference(tz, probs[..., :tz.shape[-1]], v_min, v_max)
     from jdqn.pallas.projection import project_uniform_pallas
 
     return project_uniform_pallas(tz, probs, v_min=v_min, v_max=v_max,
                                   interpret=jax.default_backend() != "gpu")
 
 
-def c51_terms(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
-              impl: str) -> tuple[Array, Array, Array]:
+def c51_terms(taken: Array, nxt: Array | None, tz: Array, v_min: float, v_max: float,
+              impl: str, probs: Array | None = None) -> tuple[Array, Array, Array]:
     """The branching C51 loss terms ``(sq, ce, tm)`` [B, D] (see
     :func:`jdqn.pallas.c51_loss.c51_terms_pallas`) through the implementation ``impl`` selects;
-    the XLA path is the reference with the projection dispatched by :func:`project_uniform`."""
+    the XLA path is the reference with the projection dispatched by :func:`project_uniform`.
+    ``probs`` [B, D, ≥ Z] (zero beyond Z): the target's probabilities at the double-Q action,
+    given instead of its logits ``nxt`` (the double-Q kernel's output; pass ``nxt=None``)."""
     from jdqn.pallas import c51_loss
 
+    z = taken.shape[-1]
     if use_pallas(impl, "c51_loss"):
+        if probs is not None:  # the kernel takes logits: softmax(log p) = p
+            nxt = jnp.log(jax.lax.stop_gradient(probs[..., :z]))
         return c51_loss.c51_terms_pallas(taken, nxt, tz, v_min, v_max,
                                          jax.default_backend() != "gpu")
-    z = taken.shape[-1]
     support = jnp.linspace(v_min, v_max, z, dtype=taken.dtype)
-    probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1))
+    probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1) if probs is None else probs)
     target = jax.lax.stop_gradient(project_uniform(jax.lax.stop_gradient(tz), probs, v_min,
                                                    v_max, impl))
     logp = jax.nn.log_softmax(taken, axis=-1)

@@ -94,9 +94,12 @@ class Layout:
         return jnp.pad(x, ((0, self.bp - self.b), (0, self.zp - self.z)), constant_values=_FAR)
 
     def branch_rows(self, a: Array, pad: float) -> Array:
-        """``[B, D, Z]`` → float32 ``[bp, dp·zp]`` with ``pad`` in every padded slot."""
-        a = jnp.pad(a.astype(jnp.float32), ((0, self.bp - self.b), (0, self.dp - self.d),
-                                            (0, self.zp - self.z)), constant_values=pad)
+        """``[B, D, Z]`` → float32 ``[bp, dp·zp]`` with ``pad`` in every padded slot. An input
+        already padded (atoms to ``zp`` with ``pad``, branches to ``dp``) is only reshaped."""
+        widths = ((0, self.bp - self.b), (0, self.dp - a.shape[1]), (0, self.zp - a.shape[2]))
+        a = a.astype(jnp.float32)
+        if any(w[1] for w in widths):
+            a = jnp.pad(a, widths, constant_values=pad)
         return a.reshape(self.bp, self.dp * self.zp)
 
 
@@ -128,11 +131,16 @@ def _kernel_lanes(x_ref, p_ref, o_ref, *, n_branches: int, z: int, zp: int):
 def project_uniform_pallas(tz: Array, probs: Array, v_min: float, v_max: float,
                            interpret: bool = False, layout: str = "lanes") -> Array:
     """Same contract as :func:`jdqn.losses.batch.project_uniform`: tz [B, Z], probs [B, D, Z]
-    (float32) → [B, D, Z]. ``interpret=True`` runs the kernel in Pallas' interpreter (CPU);
-    ``layout`` is ``"rows"`` or ``"lanes"`` (module docstring)."""
+    (float32) → [B, D, Z]. ``probs`` may come with its atoms already padded to the layout's
+    power of two with zeros (the double-Q kernel's output): then it is read as it is.
+    ``interpret=True`` runs the kernel in Pallas' interpreter (CPU); ``layout`` is ``"rows"``
+    or ``"lanes"`` (module docstring)."""
     if layout not in ("rows", "lanes"):
         raise ValueError(f"layout = {layout!r}: expected 'rows' or 'lanes'")
-    b, n_real, z = probs.shape
+    (b, n_real), z = probs.shape[:2], tz.shape[-1]
+    if probs.shape[-1] not in (z, _next_pow2(z)):
+        raise ValueError(f"probs has {probs.shape[-1]} atoms; expected {z} (tz's), or "
+                         f"{_next_pow2(z)} padded with zeros")
     lay = Layout.of(b, n_real, z)
     x = lay.atom_positions(tz, v_min, v_max)
     p = lay.branch_rows(probs, 0.0)

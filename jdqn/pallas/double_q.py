@@ -1,0 +1,188 @@
+"""Pallas kernel: the double-Q action and the target distribution at s′, in one pass.
+
+The C51 and IQN targets bootstrap from s′ with double-Q selection: per branch ``d``, the online
+network picks ``a* = argmax_a E[Q_online(s′, a)]`` and the target network's distribution at
+``a*`` is projected. Written with the heads' logits (the plain-JAX path,
+:func:`reference`), XLA runs that as a chain of kernels over ``[B, A_d, Z]`` tensors: it adds
+the value stream to each advantage stream and writes every action's logits of both networks,
+reads the online ones back for the expected Q (one reduction per branch), and reads the target
+ones again to select ``a*`` and take the softmax.
+
+This kernel starts from the heads' **output-layer products** (:class:`jdqn.networks.heads.HeadStreams`: the
+products before their bias adds, which the head returns with ``streams=True``) and writes only
+what the losses read: ``a* [B, D]`` and the target's probabilities at ``a*`` ``[B, D, Zb]``.
+Each program owns ``rows`` samples and, per branch, walks the actions in order: it loads the
+action's online atoms, adds the biases and the value stream, and keeps the running argmax of
+``E[Q] = Σ softmax·z`` (the first maximum wins, as ``jnp.argmax``); then it gathers the target
+network's atoms at ``a*`` only — one action's columns per row, not all of them — and writes
+their softmax. The logits never reach device memory.
+
+Layout: the atom axis of a head's product is padded to ``Zp`` (:func:`jdqn.networks.heads.
+pad_atoms`, a multiple of 4 — not a power of two, which Triton's blocks need), so the kernel
+reads its inputs with explicit, masked ``[rows, Zb]`` gathers (``Zb`` the next power of two
+≥ Z; columns at or beyond Z are masked and their addresses clamped). The output's atoms are
+padded to ``Zb`` with zeros — the row layout the projection kernel reads
+(:class:`jdqn.pallas.projection.Layout`), so the target goes to it without a re-layout.
+
+The oracle is :func:`reference`, the plain-JAX computation the loss runs without the kernel;
+the kernel agrees with it to float32 rounding (the softmax and the expected Q are Triton's
+sums), so an action whose expected Q ties another's to rounding may be chosen differently.
+Grad-free: the outputs are constants of the loss (the target side of the TD error), so the
+function has no VJP. Float32 products (the heads' logits are float32 under bf16 matmuls too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from jdqn.networks.heads import HeadStreams, expected_q, make_support, stream_logits
+
+Array = jax.Array
+
+ROWS_PER_PROGRAM = 16
+NUM_WARPS = 4
+_NEG = -1.0e30  # a masked atom's logit: probability 0, no inf arithmetic
+
+
+def _pair(streams: HeadStreams, i: int) -> HeadStreams:
+    return jax.tree.map(lambda x: x[i], streams)
+
+
+def _padded_atoms(z: int) -> int:
+    return 1 << (z - 1).bit_length()
+
+
+def reference(online: HeadStreams, target: HeadStreams | None, z: int, v_min: float,
+              v_max: float) -> tuple[Array, Array]:
+    """The oracle in plain JAX: ``(a* int32 [B, D], probs float32 [B, D, Zb])`` — the online
+    network's greedy action per branch and the target network's softmax at it, atoms padded
+    with zeros to ``Zb`` (the next power of two ≥ Z). ``target=None``: ``online`` holds the
+    pair (every leaf ``[2, ...]``, online first)."""
+    from jdqn.losses.batch import select
+
+    if target is None:
+        online, target = _pair(online, 0), _pair(online, 1)
+    lo, lt = stream_logits(online, z), stream_logits(target, z)
+    support = make_support(v_min, v_max, z, dtype=lo[0].dtype)
+    actions = [jnp.argmax(expected_q(x, support), axis=-1) for x in lo]
+    probs = jnp.stack([jax.nn.softmax(select(t, a), axis=-1) for t, a in zip(lt, actions,
+                                                                              strict=True)], 1)
+    zb = _padded_atoms(z)
+    return (jnp.stack(actions, 1).astype(jnp.int32),
+            jnp.pad(probs.astype(jnp.float32), ((0, 0), (0, 0), (0, zb - z))))
+
+
+def _load(ref, rows: Array, cols: Array, mask: Array) -> Array:
+    """``ref[rows, cols]`` (broadcast index arrays) as float32, 0 where ``mask`` is false."""
+    return pl_triton.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+
+
+def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float, dz: float,
+            offsets: tuple[int, int], bias_rows: tuple[int, int]):
+    n_branches = len(sizes)
+    vo, vbo, vt, vbt = refs[:4]
+    adv = refs[4:4 + 4 * n_branches]
+    a_ref, p_ref = refs[4 + 4 * n_branches:]
+    rows, zb = p_ref.shape[0], p_ref.shape[1] // n_branches
+    r = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    r = jnp.minimum(r, b - 1)  # rows past the batch read the last row (outputs sliced off)
+    j = jax.lax.broadcasted_iota(jnp.int32, (1, zb), 1)
+    valid = j < z
+    jc = jnp.minimum(j, z - 1)  # masked columns keep in-bounds addresses (the interpreter
+    #                             gathers every address)
+    support = v_min + j.astype(jnp.float32) * dz
+    row_o, row_t = r + offsets[0], r + offsets[1]
+    brow_o = jnp.full((1, 1), bias_rows[0], jnp.int32)
+    brow_t = jnp.full((1, 1), bias_rows[1], jnp.int32)
+    full = jnp.broadcast_to(valid, (rows, zb))
+    value_o = _load(vo, row_o, jc, full) + _load(vbo, brow_o, jc, valid)  # [R, Zb]
+    value_t = _load(vt, row_t, jc, full) + _load(vbt, brow_t, jc, valid)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, n_branches), 1)
+    chosen = jnp.zeros((rows, n_branches), jnp.int32)
+    for d, n_act in enumerate(sizes):
+        ao, abo, at, abt = adv[4 * d:4 * d + 4]
+        best_q = best_a = None
+        for a in range(n_act):  # in order: the first maximum wins, as jnp.argmax
+            cols = a * zp + jc
+            lg = value_o + _load(ao, row_o, cols, full) + _load(abo, brow_o, cols, valid)
+            lg = jnp.where(valid, lg, _NEG)
+            e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+            q = jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
+            if best_q is None:
+                best_q, best_a = q, jnp.zeros((rows, 1), jnp.int32)
+            else:
+                better = q > best_q
+                best_q = jnp.where(better, q, best_q)
+                best_a = jnp.where(better, a, best_a)
+        cols = best_a * zp + jc  # [R, Zb]: each row's own action
+        lg = value_t + _load(at, row_t, cols, full) + _load(abt, brow_t, cols, full)
+        lg = jnp.where(valid, lg, _NEG)
+        e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+        p_ref[:, pl.ds(d * zb, zb)] = e / jnp.sum(e, axis=1, keepdims=True)
+        chosen = jnp.where(col == d, best_a, chosen)
+    a_ref[...] = chosen
+
+
+def _operands(online: HeadStreams, target: HeadStreams | None):
+    """The kernel's inputs as 2-D arrays, with each network's row offset and bias row: the pair
+    (``target=None``) is passed as its ``[2B, C]`` reshape, read at rows ``b`` and ``B + b``
+    (no copy); two networks each as their own arrays."""
+    if target is None:
+        b = online.value.shape[1]
+        o, t, offsets, bias_rows = online, online, (0, b), (0, 1)
+    else:
+        b = online.value.shape[0]
+        o, t, offsets, bias_rows = online, target, (0, 0), (0, 0)
+
+    def flat(x):
+        return x.reshape(-1, x.shape[-1])
+
+    args = [flat(o.value), flat(o.value_bias), flat(t.value), flat(t.value_bias)]
+    for d in range(len(o.adv)):
+        args += [flat(o.adv[d]), flat(o.adv_bias[d]), flat(t.adv[d]), flat(t.adv_bias[d])]
+    return b, args, offsets, bias_rows
+
+
+def eligible(online: HeadStreams) -> bool:
+    """Whether the kernel takes these streams: float32 products (the heads' logits dtype)."""
+    return all(x.dtype == jnp.float32 for x in jax.tree.leaves(online))
+
+
+@functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "rows",
+                                             "num_warps"))
+def double_q_next(online: HeadStreams, target: HeadStreams | None, z: int, v_min: float,
+                  v_max: float, interpret: bool = False, rows: int = ROWS_PER_PROGRAM,
+                  num_warps: int = NUM_WARPS) -> tuple[Array, Array]:
+    """Same contract as :func:`reference`: ``(a* int32 [B, D], probs float32 [B, D, Zb])``
+    from the online and target networks' :class:`~jdqn.networks.heads.HeadStreams` (``target=None``: ``online``
+    holds the pair, leaves ``[2, ...]``, online first). No gradient flows through it (the
+    outputs are targets). ``interpret=True`` runs Pallas' interpreter (CPU)."""
+    sizes = tuple(x.shape[-1] // online.value.shape[-1] for x in online.adv)
+    zp, zb, n_branches = online.value.shape[-1], _padded_atoms(z), len(sizes)
+    if n_branches & (n_branches - 1):
+        raise ValueError(f"double_q_next: {n_branches} branches; the kernel's output blocks "
+                         "need a power of two")
+    if online.value.shape[-2] == 0:
+        return reference(online, target, z, v_min, v_max)
+    b, args, offsets, bias_rows = _operands(online, target)
+    args = jax.lax.stop_gradient(args)
+    bp = pl.cdiv(b, rows) * rows
+    a, p = pl.pallas_call(
+        functools.partial(_kernel, b=b, z=z, zp=zp, sizes=sizes, v_min=float(v_min),
+                          dz=float((v_max - v_min) / (z - 1)), offsets=offsets,
+                          bias_rows=bias_rows),
+        out_shape=(jax.ShapeDtypeStruct((bp, n_branches), jnp.int32),
+                   jax.ShapeDtypeStruct((bp, n_branches * zb), jnp.float32)),
+        grid=(bp // rows,),
+        out_specs=(pl.BlockSpec((rows, n_branches), lambda i: (i, 0)),
+                   pl.BlockSpec((rows, n_branches * zb), lambda i: (i, 0))),
+        compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
+        interpret=interpret,
+        name="double_q_next",
+    )(*args)
+    return a[:b], p[:b].reshape(b, n_branches, zb)
