@@ -207,6 +207,18 @@ def test_kernels_bench_times_the_grn_tail_against_xla_at_the_pair_shape():
     assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
 
 
+def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape():
+    out = _kernels_bench("--kernel", "double_q", "--batch", "24", "--reps", "1",
+                         "--double-q-tiles", "16/4,4/1", "--interpret")
+    assert out["kernel"] == "double_q" and out["batch"] == 24 and out["interpret"] is True
+    assert out["pair"] == 2 and out["branch_sizes"] == [4, 3, 3, 3]
+    assert set(out["results"]) == {"xla_reference", "pallas_rows16_w4", "pallas_rows4_w1"}
+    for name, r in out["results"].items():
+        assert r["us"] > 0 and r["bitwise_repeat"], name
+        assert r["actions_differing"] == 0 and r["max_abs_diff"] < 1e-5, name
+    assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
+
+
 def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
     """``collect_dots`` finds the dots of a differentiated program — forward, backward, inside
     ``scan`` bodies (× length), under ``vmap`` (batch dimensions too), the costlier branch of a
