@@ -21,7 +21,13 @@ from jdqn.config import ModelConfig, TrainConfig
 from jdqn.losses import init_moe_state
 from jdqn.losses import total as total_module
 from jdqn.networks import BranchingQNetwork, init_params
-from jdqn.networks.heads import HeadStreams, expected_q, make_support, stream_logits
+from jdqn.networks.heads import (
+    MAGNITUDE,
+    HeadStreams,
+    expected_q,
+    make_support,
+    stream_logits,
+)
 from jdqn.pallas import double_q
 from jdqn.pallas import project_uniform as project_dispatch
 
@@ -139,7 +145,9 @@ def test_projection_reads_probabilities_padded_by_the_kernel():
 
 def test_head_streams_are_the_logits_products():
     """``head_streams=True`` returns the C51 head's output products and biases; their logits
-    (:func:`stream_logits`) are bitwise the network's, and the rest of the output is the same."""
+    (:func:`stream_logits`) are the network's — bitwise but for the magnitude branch, whose
+    conditioning on the direction's expected Q then comes from the kernel (float32 rounding) —
+    and the rest of the output is the same."""
     cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
                       head_hidden=16, n_atoms=11, iqn=False, impl="xla")
     net = BranchingQNetwork(cfg, flow_idx=(3, 5))
@@ -149,9 +157,34 @@ def test_head_streams_are_the_logits_products():
     got = net.apply(params, obs, head_streams=True)
     assert got.logits == () and got.q == () and want.streams is None
     assert got.streams.value.shape == (7, 12) and got.streams.adv[1].shape == (7, 3 * 12)
-    for a, b in zip(stream_logits(got.streams, 11), want.logits, strict=True):
-        np.testing.assert_array_equal(a, b)
+    for d, (a, b) in enumerate(zip(stream_logits(got.streams, 11), want.logits, strict=True)):
+        if d == MAGNITUDE:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(got.features, want.features)
+
+
+def test_expected_q_from_streams_matches_the_logits_and_vmaps():
+    """The direction's expected Q from the products (the magnitude stream's conditioning in
+    the grad-free head) equals ``expected_q`` over the logits to float32 rounding, for one
+    network and vmapped over the pair; an empty batch gives ``[0, A]``."""
+    s = _streams(7, 37, 52, (4, 3, 3, 3), lead=(2,), scale=2.0)
+    support = make_support(V_MIN, V_MAX, 51)
+
+    def kernel(v, vb, a, ab):
+        return double_q.expected_q_streams(v, vb, a, ab, 51, V_MIN, V_MAX, interpret=True)
+
+    got = jax.vmap(kernel)(s.value, s.value_bias, s.adv[0], s.adv_bias[0])  # [2, B, 4]
+    for i in range(2):
+        one = jax.tree.map(lambda x: x[i], s)  # noqa: B023
+        want = expected_q(stream_logits(one, 51)[0], support)
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    three = kernel(s.value[0], s.value_bias[0], s.adv[1][0], s.adv_bias[1][0])
+    np.testing.assert_allclose(three, expected_q(stream_logits(jax.tree.map(
+        lambda x: x[0], s), 51)[1], support), rtol=1e-5, atol=1e-5)
+    assert kernel(s.value[0][:0], s.value_bias[0], s.adv[0][0][:0], s.adv_bias[0][0]).shape \
+        == (0, 4)
 
 
 def _loss_setup(matmul_dtype: str, fuse_next_obs: bool = False, iqn: bool = True):
@@ -189,17 +222,23 @@ def test_total_loss_through_the_kernel_equals_the_xla_path(monkeypatch, matmul_d
                                atol=1e-7)
 
 
-@pytest.mark.parametrize("fuse_next_obs,matmul_dtype,n_kernels",
-                         [(False, "float32", 1), (False, "bfloat16", 1), (True, "float32", 0)])
+@pytest.mark.parametrize("fuse_next_obs,matmul_dtype,n_kernels,n_conditioning",
+                         [(False, "float32", 1, 1), (False, "bfloat16", 1, 2),
+                          (True, "float32", 0, 0)])
 def test_total_loss_runs_the_kernel_once_where_it_applies(monkeypatch, fuse_next_obs,
-                                                          matmul_dtype, n_kernels):
-    """One kernel per update, paired or not; none with the concatenated [s; s′] forward (the
-    online Q at s′ comes from the differentiated forward there); the gradient traces through it
-    (the kernel's outputs are targets: no cotangent reaches it)."""
+                                                          matmul_dtype, n_kernels,
+                                                          n_conditioning):
+    """One double-Q kernel per update, paired or not, and the direction's expected Q for the
+    magnitude conditioning from the products once per forward at s′ (one vmapped call for the
+    pair); none with the concatenated [s; s′] forward (the online Q at s′ comes from the
+    differentiated forward there); the gradient traces through them (their outputs are
+    targets and a stop-gradient conditioning: no cotangent reaches them)."""
     loss, params = _loss_setup(matmul_dtype, fuse_next_obs)
     _only_double_q(monkeypatch)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p)[0]))(params).jaxpr
-    assert pallas_kernel_names(jaxpr).count("double_q_next") == n_kernels
+    names = pallas_kernel_names(jaxpr)
+    assert names.count("double_q_next") == n_kernels
+    assert names.count("expected_q_streams") == n_conditioning
     assert total_module.double_q_applies(dataclasses.replace(
         BranchingQNetwork(ModelConfig()).cfg, fuse_next_obs=fuse_next_obs)) is (n_kernels == 1)
 

@@ -178,7 +178,9 @@ class DuelingBranchingHead(nn.Module):
     form, values and gradients).
 
     ``streams=True`` (grad-free forwards at s′): returns the output layers' products and biases
-    (:class:`HeadStreams`) for the double-Q kernel instead of the logits.
+    (:class:`HeadStreams`) for the double-Q kernel instead of the logits, and the direction's
+    expected Q that conditions the magnitude stream comes from the products through a kernel
+    (:func:`jdqn.pallas.double_q.expected_q_streams`), so no logits are written at all.
     """
 
     branch_sizes: tuple[int, ...]
@@ -231,7 +233,15 @@ class DuelingBranchingHead(nn.Module):
         value = second("value", pre["value"])[:, 0]  # [B, Z]
         direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
         q_scale = max(abs(self.v_min), abs(self.v_max))
-        q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
+        if self.streams:  # grad-free: E[Q] straight from the products (no [B, 4, Z] logits)
+            from jdqn.pallas.double_q import expected_q_streams
+
+            q_dir = expected_q_streams(*products["value"], *products[BRANCH_NAMES[DIRECTION]],
+                                       z, self.v_min, self.v_max,
+                                       jax.default_backend() != "gpu").astype(wide)
+        else:
+            q_dir = jax.lax.stop_gradient(expected_q(direction, support))
+        q_dir = q_dir / q_scale  # [B, 4]
         mag = BRANCH_NAMES[MAGNITUDE]
         cond = _small_matmul(q_dir, fc[mag][0][width:])  # in `wide`
         magnitude = logits(MAGNITUDE, (pre[mag].astype(wide) + cond).astype(act))
@@ -243,8 +253,7 @@ class DuelingBranchingHead(nn.Module):
                 x = (x.astype(wide) + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
                      ).astype(act)
             rest.append(logits(d, x))
-        if self.streams:  # the products for the double-Q kernel (the unused logits are dead
-            #               code: only the direction's, for the magnitude's conditioning, run)
+        if self.streams:  # the products for the double-Q kernel (the logits are dead code)
             names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
             return HeadStreams(*products["value"], tuple(products[s][0] for s in names),
                                tuple(products[s][1] for s in names))

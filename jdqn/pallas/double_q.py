@@ -107,12 +107,11 @@ def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float
     for d, n_act in enumerate(sizes):
         ao, abo, at, abt = adv[4 * d:4 * d + 4]
         best_q = best_a = None
-        for a in range(n_act):  # in order: the first maximum wins, as jnp.argmax
-            cols = a * zp + jc
-            lg = value_o + _load(ao, row_o, cols, full) + _load(abo, brow_o, cols, valid)
-            lg = jnp.where(valid, lg, _NEG)
-            e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
-            q = jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
+        for a, q in _expected_q(  # in order: the first maximum wins, as jnp.argmax
+                lambda: value_o,
+                lambda a, ao=ao, abo=abo: (_load(ao, row_o, a * zp + jc, full)
+                                           + _load(abo, brow_o, a * zp + jc, valid)),
+                n_act, valid, support):
             if best_q is None:
                 best_q, best_a = q, jnp.zeros((rows, 1), jnp.int32)
             else:
@@ -126,6 +125,67 @@ def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float
         p_ref[:, pl.ds(d * zb, zb)] = e / jnp.sum(e, axis=1, keepdims=True)
         chosen = jnp.where(col == d, best_a, chosen)
     a_ref[...] = chosen
+
+
+def _expected_q(load_value, load_adv, n_act: int, valid: Array, support: Array):
+    """Per action ``a`` (in order) the online logits' ``E[Q] = Σ softmax·z`` [R, 1], from
+    ``load_value()`` [R, Zb] and ``load_adv(a)`` [R, Zb] (masked atoms set to −∞ here)."""
+    value = load_value()
+    for a in range(n_act):
+        lg = jnp.where(valid, value + load_adv(a), _NEG)
+        e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+        yield a, jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
+
+
+def _q_kernel(v_ref, vb_ref, a_ref, ab_ref, q_ref, *, b: int, z: int, zp: int, n_act: int,
+              v_min: float, dz: float):
+    rows, ap = q_ref.shape
+    r = jnp.minimum(pl.program_id(0) * rows
+                    + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), b - 1)
+    j = jax.lax.broadcasted_iota(jnp.int32, (1, _padded_atoms(z)), 1)
+    valid, jc = j < z, jnp.minimum(j, z - 1)
+    full = jnp.broadcast_to(valid, (rows, j.shape[1]))
+    zero = jnp.zeros((1, 1), jnp.int32)
+    support = v_min + j.astype(jnp.float32) * dz
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, ap), 1)
+    out = jnp.zeros((rows, ap), jnp.float32)
+    for a, q in _expected_q(
+            lambda: _load(v_ref, r, jc, full) + _load(vb_ref, zero, jc, valid),
+            lambda a: (_load(a_ref, r, a * zp + jc, full)
+                       + _load(ab_ref, zero, a * zp + jc, valid)), n_act, valid, support):
+        out = jnp.where(col == a, q, out)
+    q_ref[...] = out
+
+
+def expected_q_streams(value: Array, value_bias: Array, adv: Array, adv_bias: Array, z: int,
+                       v_min: float, v_max: float, interpret: bool = False,
+                       rows: int = ROWS_PER_PROGRAM,
+                       num_warps: int = NUM_WARPS) -> Array:
+    """One branch's expected Q ``[B, A]`` from its :class:`~jdqn.networks.heads.HeadStreams`
+    parts — the value product ``[B, Zp]`` and bias ``[Zp]``, the advantage product
+    ``[B, A·Zp]`` and bias ``[A·Zp]`` — without writing its ``[B, A, Z]`` logits: the same as
+    ``expected_q(stream_logits(...)[d], support)`` to float32 rounding. The head's
+    conditioning of the magnitude stream on the direction's expected Q reads it where the head
+    returns its streams (grad-free). Works under ``vmap`` (the paired forward). No gradient."""
+    b, zp = value.shape
+    n_act = adv.shape[-1] // zp
+    if b == 0:
+        return jnp.zeros((0, n_act), jnp.float32)
+    ap = 1 << max(n_act - 1, 0).bit_length()
+    bp = pl.cdiv(b, rows) * rows
+    args = jax.lax.stop_gradient((value, value_bias.reshape(1, -1), adv,
+                                  adv_bias.reshape(1, -1)))
+    q = pl.pallas_call(
+        functools.partial(_q_kernel, b=b, z=z, zp=zp, n_act=n_act, v_min=float(v_min),
+                          dz=float((v_max - v_min) / (z - 1))),
+        out_shape=jax.ShapeDtypeStruct((bp, ap), jnp.float32),
+        grid=(bp // rows,),
+        out_specs=pl.BlockSpec((rows, ap), lambda i: (i, 0)),
+        compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
+        interpret=interpret,
+        name="expected_q_streams",
+    )(*args)
+    return q[:b, :n_act]
 
 
 def _operands(online: HeadStreams, target: HeadStreams | None):
