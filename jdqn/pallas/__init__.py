@@ -41,6 +41,14 @@ Kernels in this version:
   Measured on the H200: the update 2.706–2.738 against 2.744–2.802 ms (float32, three machine
   sessions), 1.779–1.790 against 1.807–1.814 ms (bf16).
 
+* :func:`jdqn.pallas.double_q.double_q_next` — the double-Q selection at s′ (the online
+  expected Q, its argmax per branch, the target's softmax at it) from the C51 heads'
+  output-layer products, writing no logits; with :func:`jdqn.pallas.double_q.expected_q_streams`
+  (the magnitude stream's conditioning in the grad-free heads). The oracle is
+  :func:`jdqn.pallas.double_q.reference`. Measured on the H200: 54.6 vs 177.3 µs alone; the
+  update 2.622–2.641 against 2.695–2.716 ms (float32, two machine sessions), then 2.637–2.650
+  against 2.650–2.661 with the conditioning kernel; bf16 1.757–1.767 against 1.796–1.802 ms.
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -54,9 +62,10 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-# Kernels measured on the H200 to speed up the update (bench/results/: the projection, and the
-# GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json). Not listed, measured
-# slower in the update: "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
+# Kernels measured on the H200 to speed up the update (bench/results/: the projection, the
+# GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, and the double-Q selection
+# at s′, train_h200_*_double_q_*ab*.json). Not listed, measured slower in the update:
+# "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "double_q"})
 
 
