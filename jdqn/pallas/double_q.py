@@ -218,11 +218,6 @@ def _operands(online: HeadStreams, target: HeadStreams | None):
     return b, args, offsets, bias_rows
 
 
-def eligible(online: HeadStreams) -> bool:
-    """Whether the kernel takes these streams: float32 products (the heads' logits dtype)."""
-    return all(x.dtype == jnp.float32 for x in jax.tree.leaves(online))
-
-
 @functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "rows",
                                              "num_warps"))
 def double_q_next(online: HeadStreams, target: HeadStreams | None, z: int, v_min: float,
