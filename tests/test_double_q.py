@@ -250,3 +250,22 @@ def test_auto_takes_the_kernel_on_the_gpu_only(monkeypatch):
     assert not pallas.use_pallas("auto", "double_q") or jax.default_backend() == "gpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert pallas.use_pallas("auto", "double_q")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_c51_terms_take_the_selected_probabilities(impl):
+    """The C51 loss terms from the kernel's zero-padded probabilities equal those from the
+    target logits, through the XLA path and through the fused C51 loss kernel (which takes
+    logits: it is given ``log p``)."""
+    from jdqn.pallas import c51_terms
+
+    b, z = 10, 11
+    rng = np.random.default_rng(1)
+    taken = jnp.asarray(rng.normal(0.0, 1.0, (b, 4, z)), jnp.float32)
+    nxt = jnp.asarray(rng.normal(0.0, 1.0, (b, 4, z)), jnp.float32)
+    tz = jnp.asarray(rng.normal(0.0, 4.0, (b, 1)) + np.linspace(V_MIN, V_MAX, z), jnp.float32)
+    padded = jnp.pad(jax.nn.softmax(nxt, axis=-1), ((0, 0), (0, 0), (0, 16 - z)))
+    want = c51_terms(taken, nxt, tz, V_MIN, V_MAX, "xla")
+    got = c51_terms(taken, None, tz, V_MIN, V_MAX, impl, probs=padded)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
