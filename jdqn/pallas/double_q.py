@@ -92,6 +92,19 @@ def _load(ref, rows: Array, cols: Array, mask: Array) -> Array:
     return pl_triton.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
 
 
+def _tile(rows: int, b: int, z: int, v_min: float, dz: float):
+    """A program's indices: its rows ``[R, 1]`` (those past the batch read the last row; their
+    outputs are sliced off), the atom mask ``[1, Zb]``, the atom columns clamped in bounds
+    (masked columns keep valid addresses: the interpreter gathers every address), the mask
+    broadcast to ``[R, Zb]`` and the support ``[1, Zb]``."""
+    r = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    r = jnp.minimum(r, b - 1)
+    j = jax.lax.broadcasted_iota(jnp.int32, (1, _padded_atoms(z)), 1)
+    valid = j < z
+    return (r, valid, jnp.minimum(j, z - 1), jnp.broadcast_to(valid, (rows, j.shape[1])),
+            v_min + j.astype(jnp.float32) * dz)
+
+
 def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float, dz: float,
             offsets: tuple[int, int], bias_rows: tuple[int, int]):
     n_branches = len(sizes)
@@ -99,17 +112,10 @@ def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float
     adv = refs[4:4 + 4 * n_branches]
     a_ref, p_ref = refs[4 + 4 * n_branches:]
     rows, zb = p_ref.shape[0], p_ref.shape[1] // n_branches
-    r = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    r = jnp.minimum(r, b - 1)  # rows past the batch read the last row (outputs sliced off)
-    j = jax.lax.broadcasted_iota(jnp.int32, (1, zb), 1)
-    valid = j < z
-    jc = jnp.minimum(j, z - 1)  # masked columns keep in-bounds addresses (the interpreter
-    #                             gathers every address)
-    support = v_min + j.astype(jnp.float32) * dz
+    r, valid, jc, full, support = _tile(rows, b, z, v_min, dz)
     row_o, row_t = r + offsets[0], r + offsets[1]
     brow_o = jnp.full((1, 1), bias_rows[0], jnp.int32)
     brow_t = jnp.full((1, 1), bias_rows[1], jnp.int32)
-    full = jnp.broadcast_to(valid, (rows, zb))
     value_o = _load(vo, row_o, jc, full) + _load(vbo, brow_o, jc, valid)  # [R, Zb]
     value_t = _load(vt, row_t, jc, full) + _load(vbt, brow_t, jc, valid)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, n_branches), 1)
@@ -150,13 +156,8 @@ def _expected_q(load_value, load_adv, n_act: int, valid: Array, support: Array):
 def _q_kernel(v_ref, vb_ref, a_ref, ab_ref, q_ref, *, b: int, z: int, zp: int, n_act: int,
               v_min: float, dz: float):
     rows, ap = q_ref.shape
-    r = jnp.minimum(pl.program_id(0) * rows
-                    + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), b - 1)
-    j = jax.lax.broadcasted_iota(jnp.int32, (1, _padded_atoms(z)), 1)
-    valid, jc = j < z, jnp.minimum(j, z - 1)
-    full = jnp.broadcast_to(valid, (rows, j.shape[1]))
+    r, valid, jc, full, support = _tile(rows, b, z, v_min, dz)
     zero = jnp.zeros((1, 1), jnp.int32)
-    support = v_min + j.astype(jnp.float32) * dz
     col = jax.lax.broadcasted_iota(jnp.int32, (1, ap), 1)
     out = jnp.zeros((rows, ap), jnp.float32)
     for a, q in _expected_q(
