@@ -14,6 +14,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel modulation # the IQN modulation's backward kernel
     python bench/kernels.py --kernel reduce     # the deterministic tree sum vs jnp.sum
     python bench/kernels.py --kernel grn_tail   # a GRN block's tail (GLU + residual + LN)
+    python bench/kernels.py --kernel grn_tail_grad  # the tail's gradient (backward kernel)
     python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
@@ -302,6 +303,45 @@ def bench_grn_tail(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
+def bench_grn_tail_grad(b: int, reps: int, tiles: list[tuple[int, int]], h: int = 256,
+                        interpret: bool = False) -> dict:
+    """A GRN block's tail differentiated (the online forward at s, ``jdqn.pallas.grn_tail``'s
+    backward kernel) at the update's shape: the gradients of ``Σ out · ct`` with respect to the
+    product, its bias, the residual and the LayerNorm parameters, from the inputs and the
+    output's cotangent — XLA's autodiff of the reference (its forward residuals included, as
+    in the update) against the backward kernel over tiles (rows per program, warps); the
+    largest relative difference per gradient and a bitwise repeat. The cotangent comes first
+    (the timing loop perturbs the first argument: a ``[B, H]`` pass both sides pay).
+    ``interpret``: the kernel rows in Pallas' interpreter (off the GPU; for tests)."""
+    from jdqn.pallas import grn_tail
+
+    ks = jax.random.split(jax.random.key(0), 6)
+    args = (jax.random.normal(ks[5], (b, h)), jax.random.normal(ks[0], (b, 2 * h)),
+            jax.random.normal(ks[1], (2 * h,)), jax.random.normal(ks[2], (b, h)),
+            1.0 + 0.1 * jax.random.normal(ks[3], (h,)), 0.1 * jax.random.normal(ks[4], (h,)))
+
+    def grads_of(fn):
+        def grads(ct, *operands):
+            return jax.vjp(fn, *operands)[1](ct)
+        return grads
+
+    fns = {"xla_reference": grads_of(grn_tail.reference)}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = grads_of(functools.partial(
+            grn_tail.grn_tail, eps=grn_tail.EPSILON, interpret=interpret,
+            bwd_rows=rows, bwd_warps=warps))
+    ref = [np.asarray(g) for g in jax.jit(fns["xla_reference"])(*args)]
+
+    def compare(a, a2):
+        rel = [float(np.max(np.abs(np.asarray(x) - y)) / np.max(np.abs(y)))
+               for x, y in zip(a, ref)]
+        return {"max_rel_diff": dict(zip(("dy", "db", "dx", "dscale", "doffset"), rel)),
+                "bitwise_repeat": all(bool(np.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"width": h, "interpret": interpret,
+            "results": _time_tiles(fns, args, reps, compare, interpret)}
+
+
 def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
                    sizes: tuple[int, ...] = (4, 3, 3, 3), interpret: bool = False) -> dict:
     """The double-Q selection at s′ (``jdqn.pallas.double_q``) at the update's shape: the
@@ -414,7 +454,8 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
-                                         "modulation", "reduce", "grn_tail", "double_q"),
+                                         "modulation", "reduce", "grn_tail", "grn_tail_grad",
+                                         "double_q"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -428,12 +469,14 @@ def main() -> None:
                     help="tree-sum tiles to time: rows/cols/num_warps, comma-separated")
     ap.add_argument("--grn-tiles", default="4/1,2/1,8/1,8/2,16/4,32/4",
                     help="GRN tail kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--grn-grad-tiles", default="8/4,8/2,4/2,16/4,16/8",
+                    help="GRN tail backward kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce / grn_tail / double_q: run the kernel in Pallas' "
+                    help="--kernel reduce / grn_tail(_grad) / double_q: run the kernel in Pallas' "
                          "interpreter (tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
@@ -463,6 +506,13 @@ def main() -> None:
                           **bench_grn_tail(b, args.reps, [
                               tuple(int(v) for v in t.split("/"))
                               for t in args.grn_tiles.split(",")], interpret=args.interpret),
+                          **meta}))
+        return
+    if args.kernel == "grn_tail_grad":
+        print(json.dumps({"bench": "kernels", "kernel": "grn_tail_grad",
+                          **bench_grn_tail_grad(b, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.grn_grad_tiles.split(",")], interpret=args.interpret),
                           **meta}))
         return
     if args.kernel == "double_q":

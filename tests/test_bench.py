@@ -207,6 +207,19 @@ def test_kernels_bench_times_the_grn_tail_against_xla_at_the_pair_shape():
     assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
 
 
+def test_kernels_bench_times_the_grn_tail_gradient_against_xla_autodiff():
+    out = _kernels_bench("--kernel", "grn_tail_grad", "--batch", "40", "--reps", "1",
+                         "--grn-grad-tiles", "8/4,16/2", "--interpret")
+    assert out["kernel"] == "grn_tail_grad" and out["batch"] == 40 and out["interpret"] is True
+    assert out["width"] == 256
+    assert set(out["results"]) == {"xla_reference", "pallas_rows8_w4", "pallas_rows16_w2"}
+    for name, r in out["results"].items():
+        assert r["us"] > 0 and r["bitwise_repeat"], name
+        assert set(r["max_rel_diff"]) == {"dy", "db", "dx", "dscale", "doffset"}, name
+        assert max(r["max_rel_diff"].values()) < 1e-5, name
+    assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
+
+
 def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape():
     out = _kernels_bench("--kernel", "double_q", "--batch", "24", "--reps", "1",
                          "--double-q-tiles", "16/4,4/1", "--interpret")

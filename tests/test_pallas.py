@@ -126,7 +126,8 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     from jdqn import pallas
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
-    assert pallas.use_pallas("auto", "projection") and pallas.use_pallas("auto", "grn_tail")
+    for faster in ("projection", "grn_tail", "grn_tail_grad", "double_q"):
+        assert pallas.use_pallas("auto", faster)
     # measured on the H200: slower than XLA there
     for slower in ("c51_loss", "iqn", "moe", "reductions"):
         assert slower not in pallas.GPU_VALIDATED
@@ -542,10 +543,31 @@ def _grn_tail_args(m, h, seed=0):
             0.3 * jax.random.normal(k[4], (h,)))
 
 
+def _grn_tail_grads_f64(args, ct):
+    """The reference's gradients of ``Σ out · ct`` in float64 (the oracle of the backward
+    kernel)."""
+    from jdqn.pallas import grn_tail
+
+    with x64():
+        wide = [jnp.asarray(a, jnp.float64) for a in (*args, ct)]
+        return [np.asarray(g) for g in jax.grad(
+            lambda *a: jnp.sum(grn_tail.reference(*a) * wide[-1]),
+            argnums=(0, 1, 2, 3, 4))(*wide[:-1])]
+
+
+def _assert_grads_close(got, want, rel=2e-6):
+    for name, a, b in zip(("y", "b", "x", "scale", "offset"), got, want, strict=True):
+        scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=rel * scale,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("shape", GRN_TAIL_SHAPES)
 def test_grn_tail_kernel_matches_the_float64_block_and_its_gradient(shape):
-    """Values against the reference in float64 (to float32 rounding); the gradient (a
-    recomputation through the reference) bitwise the reference's."""
+    """Values against the reference in float64 (to float32 rounding); the gradient — the
+    backward kernel's (row gradients and per-program column sums of the parameter gradients) —
+    against the float64 reference's, to float32 rounding (0 and 37 rows: none, and a last
+    program padded)."""
     from jdqn.pallas import grn_tail
 
     args = _grn_tail_args(*shape)
@@ -557,10 +579,62 @@ def test_grn_tail_kernel_matches_the_float64_block_and_its_gradient(shape):
     ct = jax.random.normal(jax.random.key(9), got.shape)
     g_got = jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(*a, interpret=True) * ct),
                      argnums=(0, 1, 2, 3, 4))(*args)
-    g_want = jax.grad(lambda *a: jnp.sum(grn_tail.reference(*a) * ct),
-                      argnums=(0, 1, 2, 3, 4))(*args)
-    for name, a, b in zip(("y", "b", "x", "scale", "offset"), g_got, g_want, strict=True):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert [g.dtype for g in g_got] == [jnp.float32] * 5
+    _assert_grads_close(g_got, _grn_tail_grads_f64(args, ct))
+
+
+@pytest.mark.parametrize("bwd_rows", [1, 4, 32])
+def test_grn_tail_backward_kernel_tiles_agree(bwd_rows):
+    """Any backward tile (rows per program; 37 rows pad the last program but for one row per
+    program) gives the float64 gradient to float32 rounding."""
+    from jdqn.pallas import grn_tail
+
+    args = _grn_tail_args(37, 32, seed=3)
+    ct = jax.random.normal(jax.random.key(4), (37, 32))
+
+    def grads(rows):
+        return jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(
+            *a, interpret=True, bwd_rows=rows, bwd_warps=2) * ct), argnums=(0, 1, 2, 3, 4))(*args)
+
+    _assert_grads_close(grads(bwd_rows), _grn_tail_grads_f64(args, ct))
+
+
+def test_grn_tail_gradient_through_a_constant_row_is_finite_and_exact():
+    """A row whose pre-norm sum is constant (the variance clamped at 0: the gate shut, the
+    residual flat) normalises to the offset; its gradient stays finite and equals the float64
+    reference's (the variance's path carries nothing there)."""
+    from jdqn.pallas import grn_tail
+
+    y, b, x, scale, offset = _grn_tail_args(8, 16, seed=5)
+    y = y.at[2, :16].set(-200.0)  # σ(gate) = 0: s = x on row 2
+    x = x.at[2].set(0.75)
+    ct = jax.random.normal(jax.random.key(6), (8, 16))
+    out = grn_tail.grn_tail(y, b, x, scale, offset, interpret=True)
+    np.testing.assert_allclose(out[2], offset, atol=1e-6)
+    got = jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(*a, interpret=True) * ct),
+                   argnums=(0, 1, 2, 3, 4))(y, b, x, scale, offset)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+    _assert_grads_close(got, _grn_tail_grads_f64((y, b, x, scale, offset), ct))
+
+
+def test_grn_tail_gradient_vmaps_over_parameter_sets():
+    """Differentiated under ``vmap`` over two parameter sets and batches (``train.seeds``
+    vmapped): each set's gradient is its own — its float64 gradient to float32 rounding, and
+    different from the other set's."""
+    from jdqn.pallas import grn_tail
+
+    sets = [_grn_tail_args(21, 32, seed=s) for s in (0, 1)]
+    ct = jax.random.normal(jax.random.key(2), (2, 21, 32))
+
+    def grad(args, c):
+        return jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(*a, interpret=True) * c),
+                        argnums=(0, 1, 2, 3, 4))(*args)
+
+    stacked = tuple(jnp.stack(a) for a in zip(*sets))
+    batched = jax.vmap(grad)(stacked, ct)
+    for i in range(2):
+        _assert_grads_close([g[i] for g in batched], _grn_tail_grads_f64(sets[i], ct[i]))
+    assert not np.allclose(batched[3][0], batched[3][1])
 
 
 def test_grn_tail_kernel_rows_are_independent_and_it_vmaps_over_parameter_sets():
@@ -598,9 +672,19 @@ def test_grn_tail_kernel_in_bf16_computes_in_float32_and_rounds_once():
             y16, b, x16, scale, offset))))
     np.testing.assert_allclose(np.asarray(got, np.float64), want,
                                rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
+    ct = jax.random.normal(jax.random.key(7), got.shape)
     grads = jax.grad(lambda *a: jnp.sum(grn_tail.grn_tail(*a, interpret=True).astype(
-        jnp.float32)), argnums=(0, 1, 2))(y16, b, x16, scale, offset)
-    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.bfloat16]
+        jnp.float32) * ct), argnums=(0, 1, 2, 3, 4))(y16, b, x16, scale, offset)
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.float32, jnp.bfloat16,
+                                        jnp.float32, jnp.float32]
+    # computed in float32 from the bf16 operands; dy and dx rounded once to bf16
+    # (the bf16 output's cotangent is itself rounded to bf16)
+    want = _grn_tail_grads_f64((y16, b, x16, scale, offset),
+                               ct.astype(jnp.bfloat16).astype(jnp.float32))
+    for name, g, w, rel in zip(("y", "b", "x", "scale", "offset"), grads, want,
+                               (2 ** -8, 1e-5, 2 ** -8, 1e-5, 1e-5), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rel,
+                                   atol=rel * np.abs(w).max(), err_msg=name)
 
 
 def test_grn_tail_kernel_takes_float32_or_bf16_power_of_two_widths():
@@ -676,3 +760,49 @@ def test_total_loss_runs_the_grn_tail_kernel_only_at_s_prime(monkeypatch, fuse_n
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, target)[0]))(params).jaxpr
     names = pallas_kernel_names(jaxpr)  # (the loss's kernels follow jdqn.pallas.use_pallas)
     assert [n for n in names if "grn" in n] == ["grn_tail"] * n_kernels
+
+
+@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+def test_differentiated_forward_runs_the_grn_tail_and_its_backward_kernel(monkeypatch,
+                                                                           matmul_dtype):
+    """With ``"grn_tail_grad"`` on as well, under float32 matmuls the differentiated forward
+    at s runs each GRN block's tail as the kernel and the gradient as the backward kernel (one
+    per block); under bf16 matmuls (measured slower there) it keeps XLA's tail. Either way the
+    loss and its gradient are the XLA network's to rounding."""
+    from helpers import pallas_kernel_names
+
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: impl == "pallas" and (
+        kernel in ("grn_tail", "grn_tail_grad")))
+    cfg = ModelConfig(width=32, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=matmul_dtype)
+    net, xla_net = (BranchingQNetwork(dataclasses.replace(cfg, impl=i)) for i in ("pallas", "xla"))
+    k = jax.random.split(jax.random.key(0), 4)
+    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
+    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
+
+    def loss(n):
+        return functools.partial(total_loss, batch=batch, key=k[0], moe_state=init_moe_state(3),
+                                 alpha=0.5, net=n, train_cfg=TrainConfig())
+
+    names = pallas_kernel_names(jax.make_jaxpr(jax.grad(
+        lambda p: loss(net)(p, target)[0]))(params).jaxpr)
+    grn = [n for n in names if "grn" in n]
+    if matmul_dtype == "float32":
+        assert grn.count("grn_tail_bwd") == 2 and grn.count("grn_tail") == 4, grn
+    else:  # the grad-free forwards' kernels only: what "grn_tail" alone runs
+        monkeypatch.setattr(trunk_module, "use_pallas",
+                            lambda impl, kernel: impl == "pallas" and kernel == "grn_tail")
+        alone = [n for n in pallas_kernel_names(jax.make_jaxpr(jax.grad(
+            lambda p: loss(net)(p, target)[0]))(params).jaxpr) if "grn" in n]
+        assert "grn_tail_bwd" not in grn and grn == alone and grn, grn
+    (got, _), g_got = jax.value_and_grad(lambda p: loss(net)(p, target), has_aux=True)(params)
+    (want, _), g_want = jax.value_and_grad(lambda p: loss(xla_net)(p, target),
+                                           has_aux=True)(params)
+    tol = 1e-5 if matmul_dtype == "float32" else 3e-2
+    np.testing.assert_allclose(got, want, rtol=tol)
+    flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_want)
+    for a, b in zip(flat_got, flat_want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)

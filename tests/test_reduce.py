@@ -191,9 +191,10 @@ def test_every_bias_gradient_of_the_network_takes_the_tree_sum_under_pallas(monk
     assert len(biases) == 23
     # Every dense bias is one tree sum, except: LayerNorm's (not a dense layer), the MoE's
     # output bias (a gate-weighted sum: a matmul), the τ embedding's (the modulation kernel
-    # reduces it), the C51 heads' five first-layer biases, which are one add (one matmul), and
-    # the GRN block's `fc` bias, folded into its `glu` layer's (its gradient a small product).
-    assert len(calls) == 23 - 1 - 1 - 1 - 4 - 1
+    # reduces it), the C51 heads' five first-layer biases, which are one add (one matmul),
+    # the GRN block's `fc` bias, folded into its `glu` layer's (its gradient a small product),
+    # and that folded `glu` bias, whose gradient the GRN tail's backward kernel sums.
+    assert len(calls) == 23 - 1 - 1 - 1 - 4 - 1 - 1
     assert (6, 5 * 8) in calls  # the heads' first layer
     assert (6, 2, 4) in calls  # the experts' hidden layer: a [K, E] bias
     for a, b in zip(jax.tree.leaves(grads["pallas"]), jax.tree.leaves(grads["xla"]),

@@ -141,7 +141,9 @@ class GRNBlock(nn.Module):
     width: int
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
-    grad_free: bool = False  # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel
+    # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"); with a
+    # gradient, under "grn_tail_grad" and float32 matmuls, the kernel and its backward kernel
+    grad_free: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -153,7 +155,10 @@ class GRNBlock(nn.Module):
         w = jnp.dot(w1, w45, precision=hi)  # [H, 2H]
         b = jnp.dot(b1, w45, precision=hi) + b45
         product = matmul(eta2, w, md, act_dtype(md, eta2))
-        if self.grad_free and use_pallas(impl, "grn_tail"):
+        # with a gradient, float32 only: under bf16 matmuls the backward kernel measured slower
+        # than XLA's (train_h200_bf16_grn_tail_grad_ab.json)
+        with_grad = md == "float32" and use_pallas(impl, "grn_tail_grad")
+        if use_pallas(impl, "grn_tail") and (self.grad_free or with_grad):
             from jdqn.pallas import grn_tail
 
             if grn_tail.eligible(product, x):  # bias, GLU, residual and LayerNorm: one kernel

@@ -39,7 +39,11 @@ Kernels in this version:
   residual add and the LayerNorm) in one pass, where no gradient is taken (the online and target
   forwards at s′, acting); the oracle is :func:`jdqn.pallas.grn_tail.reference`.
   Measured on the H200: the update 2.706–2.738 against 2.744–2.802 ms (float32, three machine
-  sessions), 1.779–1.790 against 1.807–1.814 ms (bf16).
+  sessions), 1.779–1.790 against 1.807–1.814 ms (bf16). Its gradient is a backward kernel
+  (``"grn_tail_grad"``: the tail in the differentiated forward at s, float32 matmuls): the
+  update 2.556–2.563 against 2.589–2.602 ms (2.587–2.599 against 2.613–2.622 in another
+  session with an earlier version); under bf16 slower (1.752–1.757 against 1.743–1.747), so
+  bf16 keeps XLA's tail there.
 
 * :func:`jdqn.pallas.double_q.double_q_next` — the double-Q selection at s′ (the online
   expected Q, its argmax per branch, the target's softmax at it) from the C51 heads'
@@ -63,10 +67,11 @@ Array = jax.Array
 
 
 # Kernels measured on the H200 to speed up the update (bench/results/: the projection, the
-# GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, and the double-Q selection
+# GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, its backward kernel in the
+# differentiated forward, train_h200_f32_grn_tail_grad*_ab.json, and the double-Q selection
 # at s′, train_h200_*_double_q_*ab*.json). Not listed, measured slower in the update:
 # "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
-GPU_VALIDATED = frozenset({"projection", "grn_tail", "double_q"})
+GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:
