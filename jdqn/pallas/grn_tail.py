@@ -32,8 +32,8 @@ kernel in the differentiated forward with a backward pass written in plain JAX
 (2026-12-02, ``docs/model.md``): slower than XLA's own; as one kernel the backward pass reads
 each operand once. The network takes the kernel in its differentiated forward under
 ``"grn_tail_grad"`` (:data:`jdqn.pallas.GPU_VALIDATED`; float32 matmuls only), and in
-grad-free forwards under ``"grn_tail"``. The oracle of the gradients is the reference's, in float64 (tested, also
-padded, vmapped, bf16 and through a constant row).
+grad-free forwards under ``"grn_tail"``. The oracle of the gradients is the reference's, in
+float64 (tested, also padded, vmapped, bf16 and through a constant row).
 
 Float32, or bf16 activations (bf16 matmuls): then the kernel reads bf16, computes
 in float32 and rounds the output once, where XLA rounded the pre-norm sum to bf16 before the
@@ -72,7 +72,7 @@ ROWS_PER_PROGRAM = 4
 NUM_WARPS = 1
 EPSILON = 1e-6  # flax.linen.LayerNorm's default, which GRNBlock uses
 # The backward kernel's tile: rows per program and warps (its per-program column sums of the
-# parameter gradients are [M / BWD_ROWS, H] partials, summed by XLA)
+# parameter gradients are [M / BWD_ROWS, 4H] partials, summed by XLA)
 BWD_ROWS = 8
 BWD_WARPS = 4
 
