@@ -112,17 +112,26 @@ def eligible(y: Array, x: Array) -> bool:
             and y.shape == (x.shape[0], 2 * h) and h >= 16 and h & (h - 1) == 0)
 
 
+def _pad_rows(rows: int, *arrays: Array) -> tuple[int, list[Array]]:
+    """The rows rounded up to whole programs of ``rows``, and each ``[M, ·]`` array padded with
+    zero rows to that count."""
+    m = arrays[0].shape[0]
+    mp = pl.cdiv(m, rows) * rows
+    return mp, [a if mp == m else jnp.pad(a, ((0, mp - m), (0, 0))) for a in arrays]
+
+
+def _row(a: Array) -> Array:
+    """A parameter vector as a float32 ``[1, n]`` row (a kernel operand)."""
+    return a.astype(jnp.float32).reshape(1, -1)
+
+
 def _forward(y: Array, b: Array, x: Array, scale: Array, offset: Array, eps: float,
              interpret: bool, rows: int, warps: int) -> Array:
     m, h = x.shape
     if m == 0:  # no rows, no programs
         return reference(y, b, x, scale, offset, eps)
-    mp = pl.cdiv(m, rows) * rows
-    if mp != m:  # pad the rows to whole programs (padded rows are sliced off)
-        y = jnp.pad(y, ((0, mp - m), (0, 0)))
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))
-    row = lambda a: a.astype(jnp.float32).reshape(1, -1)
-    b = row(b)
+    mp, (y, x) = _pad_rows(rows, y, x)  # padded rows are sliced off
+    b = _row(b)
     block = pl.BlockSpec((rows, h), lambda r: (r, 0))
     vector = pl.BlockSpec((1, h), lambda r: (0, 0))
     out = pl.pallas_call(
@@ -136,7 +145,7 @@ def _forward(y: Array, b: Array, x: Array, scale: Array, offset: Array, eps: flo
         interpret=interpret,
         name="grn_tail",
         compiler_params=pl_triton.CompilerParams(num_warps=warps),
-    )(y, y, b[:, :h], b[:, h:], x, row(scale), row(offset))
+    )(y, y, b[:, :h], b[:, h:], x, _row(scale), _row(offset))
     return out[:m]
 
 
@@ -179,13 +188,12 @@ def _backward(y: Array, b: Array, x: Array, scale: Array, d_out: Array, eps: flo
     gradients; XLA sums those ``[M / rows, 4H]`` partials (a fixed order: bitwise
     repeatable)."""
     m, h = x.shape
-    mp = pl.cdiv(m, rows) * rows
-    if mp != m:  # padded rows have a zero cotangent: every gradient they add is exactly zero
-        y = jnp.pad(y, ((0, mp - m), (0, 0)))
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))
-        d_out = jnp.pad(d_out, ((0, mp - m), (0, 0)))
-    row = lambda a: a.astype(jnp.float32).reshape(1, -1)
-    b = row(b)
+    if m == 0:  # no rows, no programs: every gradient is zero
+        zero = jnp.zeros((h,), jnp.float32)
+        return jnp.zeros_like(y), jnp.zeros((2 * h,), jnp.float32), jnp.zeros_like(x), zero, zero
+    # padded rows have a zero cotangent: every gradient they add is exactly zero
+    mp, (y, x, d_out) = _pad_rows(rows, y, x, d_out)
+    b = _row(b)
     programs = mp // rows
     block = pl.BlockSpec((rows, h), lambda r: (r, 0))
     vector = pl.BlockSpec((1, h), lambda r: (0, 0))
@@ -203,7 +211,7 @@ def _backward(y: Array, b: Array, x: Array, scale: Array, d_out: Array, eps: flo
         interpret=interpret,
         name="grn_tail_bwd",
         compiler_params=pl_triton.CompilerParams(num_warps=warps),
-    )(y, y, b[:, :h], b[:, h:], x, row(scale), d_out)
+    )(y, y, b[:, :h], b[:, h:], x, _row(scale), d_out)
     sums = jnp.sum(sums, axis=0)  # [4H]: one reduction over the programs' partials
     return dy[:m], sums[:2 * h], dx[:m], sums[2 * h:3 * h], sums[3 * h:]
 
@@ -227,12 +235,8 @@ def _fwd(y, b, x, scale, offset, eps, interpret, rows, warps, bwd_rows, bwd_warp
 
 def _bwd(eps, interpret, rows, warps, bwd_rows, bwd_warps, residuals, g):
     y, b, x, scale, offset = residuals
-    if y.shape[0] == 0:
-        dy, db, dx, dscale, doffset = (jnp.zeros_like(y), jnp.zeros_like(b), jnp.zeros_like(x),
-                                       jnp.zeros_like(scale), jnp.zeros_like(offset))
-    else:
-        dy, db, dx, dscale, doffset = _backward(y, b, x, scale, g, eps, interpret, bwd_rows,
-                                                bwd_warps)
+    dy, db, dx, dscale, doffset = _backward(y, b, x, scale, g, eps, interpret, bwd_rows,
+                                            bwd_warps)
     return (dy, db.astype(b.dtype), dx, dscale.astype(scale.dtype),
             doffset.astype(offset.dtype))
 
