@@ -16,6 +16,8 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel grn_tail   # a GRN block's tail (GLU + residual + LN)
     python bench/kernels.py --kernel grn_tail_grad  # the tail's gradient (backward kernel)
     python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
+    python bench/kernels.py --kernel iqn_tail   # the IQN output stage (bias, ReLU, W2)
+    python bench/kernels.py --kernel iqn_tail_grad  # its gradient (backward kernel)
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -342,6 +344,60 @@ def bench_grn_tail_grad(b: int, reps: int, tiles: list[tuple[int, int]], h: int 
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
+def bench_iqn_tail(b: int, reps: int, tiles: list[tuple[int, ...]], grad: bool, q: int = 8,
+                   f: int = 128, o: int = 14, interpret: bool = False) -> dict:
+    """The IQN head's output stage (``jdqn.pallas.iqn_tail``) at the update's shape, rows
+    ``b · q`` of ``f`` hidden features and ``o`` outputs. Forward (``grad=False``; tiles
+    rows/warps): XLA's kernels for the reference against the kernel, the bias ``b1`` first
+    (the timing loop perturbs the first argument). Backward (``grad=True``; tiles
+    rows/steps/warps): the gradients of ``Σ out · ct`` for pre, b1, W2 and b2 — XLA's autodiff
+    of the reference (its forward residuals included, as in the update) against the backward
+    kernel — the cotangent first. The largest relative difference and a bitwise repeat.
+    ``interpret``: the kernel rows in Pallas' interpreter (off the GPU; for tests)."""
+    from jdqn.pallas import iqn_tail
+
+    m = b * q
+    ks = jax.random.split(jax.random.key(0), 5)
+    pre = jax.random.normal(ks[0], (m, f))
+    b1 = 0.1 * jax.random.normal(ks[1], (f,))
+    w2 = jax.random.normal(ks[2], (f, o)) / np.sqrt(f)
+    b2 = 0.1 * jax.random.normal(ks[3], (o,))
+    if grad:
+        args = (jax.random.normal(ks[4], (m, o)), pre, b1, w2, b2)
+
+        def wrap(fn):
+            return lambda ct, *operands: jax.vjp(fn, *operands)[1](ct)
+        names = ("dpre", "db1", "dw2", "db2")
+    else:
+        args = (b1, pre, w2, b2)
+
+        def wrap(fn):
+            return lambda bias, p, *rest: (fn(p, bias, *rest),)
+        names = ("out",)
+    fns = {"xla_reference": wrap(iqn_tail.reference)}
+    for tile in tiles:
+        if grad:
+            rows, steps, warps = tile
+            kernel = functools.partial(iqn_tail.iqn_tail, interpret=interpret, bwd_rows=rows,
+                                       bwd_steps=steps, bwd_warps=warps)
+            fns[f"pallas_rows{rows}_steps{steps}_w{warps}"] = wrap(kernel)
+        else:
+            rows, warps = tile
+            kernel = functools.partial(iqn_tail.iqn_tail, interpret=interpret, rows=rows,
+                                       warps=warps)
+            fns[f"pallas_rows{rows}_w{warps}"] = wrap(kernel)
+    ref = [np.asarray(g) for g in jax.jit(fns["xla_reference"])(*args)]
+
+    def compare(a, a2):
+        rel = [float(np.max(np.abs(np.asarray(x) - y)) / np.max(np.abs(y)))
+               for x, y in zip(a, ref)]
+        return {"max_rel_diff": dict(zip(names, rel)),
+                "bitwise_repeat": all(bool(np.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"rows": m, "hidden": f, "outputs": o, "interpret": interpret,
+            "results": _time_tiles(fns, args, reps, compare, interpret)}
+
+
 def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
                    sizes: tuple[int, ...] = (4, 3, 3, 3), interpret: bool = False) -> dict:
     """The double-Q selection at s′ (``jdqn.pallas.double_q``) at the update's shape: the
@@ -455,7 +511,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
                                          "modulation", "reduce", "grn_tail", "grn_tail_grad",
-                                         "double_q"),
+                                         "double_q", "iqn_tail", "iqn_tail_grad"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -471,13 +527,18 @@ def main() -> None:
                     help="GRN tail kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--grn-grad-tiles", default="8/4,8/2,4/2,16/4,16/8",
                     help="GRN tail backward kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--iqn-tail-tiles", default="64/4,64/2,128/4,128/8,32/2",
+                    help="IQN output-stage kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--iqn-tail-grad-tiles", default="32/4/4,32/2/4,32/8/4,16/8/4,64/4/4",
+                    help="IQN output-stage backward kernel tiles to time: "
+                         "rows/steps/num_warps, comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce / grn_tail(_grad) / double_q: run the kernel in Pallas' "
-                         "interpreter (tests)")
+                    help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad): run the "
+                         "kernel in Pallas' interpreter (tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -514,6 +575,14 @@ def main() -> None:
                               tuple(int(v) for v in t.split("/"))
                               for t in args.grn_grad_tiles.split(",")], interpret=args.interpret),
                           **meta}))
+        return
+    if args.kernel in ("iqn_tail", "iqn_tail_grad"):
+        grad = args.kernel == "iqn_tail_grad"
+        tiles = args.iqn_tail_grad_tiles if grad else args.iqn_tail_tiles
+        print(json.dumps({"bench": "kernels", "kernel": args.kernel,
+                          **bench_iqn_tail(b, args.reps, [
+                              tuple(int(v) for v in t.split("/")) for t in tiles.split(",")],
+                              grad, interpret=args.interpret), **meta}))
         return
     if args.kernel == "double_q":
         print(json.dumps({"bench": "kernels", "kernel": "double_q",

@@ -220,6 +220,24 @@ def test_kernels_bench_times_the_grn_tail_gradient_against_xla_autodiff():
     assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
 
 
+@pytest.mark.parametrize("kernel, tiles, names", [
+    ("iqn_tail", ("--iqn-tail-tiles", "16/4,32/2"), ("out",)),
+    ("iqn_tail_grad", ("--iqn-tail-grad-tiles", "16/2/4,32/1/2"), ("dpre", "db1", "dw2", "db2"))])
+def test_kernels_bench_times_the_iqn_tail_kernels_against_xla(kernel, tiles, names):
+    out = _kernels_bench("--kernel", kernel, "--batch", "5", "--reps", "1", *tiles, "--interpret")
+    assert out["kernel"] == kernel and out["interpret"] is True
+    assert (out["rows"], out["hidden"], out["outputs"]) == (40, 128, 14)  # 5 rows × 8 fractions
+    tile_names = [f"pallas_rows{t.split('/')[0]}_" + (
+        f"steps{t.split('/')[1]}_w{t.split('/')[2]}" if kernel.endswith("grad")
+        else f"w{t.split('/')[1]}") for t in tiles[1].split(",")]
+    assert set(out["results"]) == {"xla_reference", *tile_names}
+    for name, r in out["results"].items():
+        assert r["us"] > 0 and r["bitwise_repeat"], name
+        assert set(r["max_rel_diff"]) == set(names), name
+        assert max(r["max_rel_diff"].values()) < 1e-5, name
+    assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
+
+
 def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape():
     out = _kernels_bench("--kernel", "double_q", "--batch", "24", "--reps", "1",
                          "--double-q-tiles", "16/4,4/1", "--interpret")
