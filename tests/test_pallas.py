@@ -126,10 +126,10 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     from jdqn import pallas
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
-    for faster in ("projection", "grn_tail", "grn_tail_grad", "double_q"):
+    for faster in ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail_grad"):
         assert pallas.use_pallas("auto", faster)
     # measured on the H200: slower than XLA there
-    for slower in ("c51_loss", "iqn", "moe", "reductions"):
+    for slower in ("c51_loss", "iqn", "moe", "reductions", "iqn_tail"):
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")

@@ -299,7 +299,7 @@ def iqn_features(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Arr
 
 def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, b1: Array,
                         w2: Array, b2: Array, matmul_dtype: str, impl: str = "xla",
-                        bias_in_product: bool = False) -> Array:
+                        bias_in_product: bool = False, tail_kernel: bool = False) -> Array:
     """The IQN head's dense stack for fractions **shared by groups of rows**: h [B, H], taus [Q]
     (one set for every row) or [G, Q] (group g = rows ``g·B/G … (g+1)·B/G − 1``; G divides B)
     → [B, Q, O], the same function as :func:`iqn_features` with each row given its group's
@@ -324,9 +324,14 @@ def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, 
     s′): measured on the H200, update 2.763–2.774 ms against 2.770–2.788 without it (five runs
     each, one machine session); used with a gradient as well it was slower (2.799–2.809 ms: the
     weight gradient becomes an ``[H + 8, Q·F]`` product). The same function to rounding
-    (tested, values and gradients)."""
+    (tested, values and gradients).
+
+    ``tail_kernel`` (float32 matmuls): the hidden bias, ReLU and output layer after the first
+    product run as one Pallas kernel, differentiated by a second (:mod:`jdqn.pallas.iqn_tail`);
+    it takes the hidden bias itself, so ``bias_in_product`` is then ignored."""
     md = matmul_dtype
     wide = wide_dtype(md, h)
+    tail_kernel = tail_kernel and md == "float32" and h.dtype == jnp.float32
     groups, n_q = (1, taus.shape[0]) if taus.ndim == 1 else taus.shape
     b, width, f = h.shape[0], h.shape[-1], w1.shape[1]
     if b % groups:
@@ -336,7 +341,8 @@ def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, 
     phi = jnp.swapaxes(phi.reshape(groups, n_q, width), 1, 2)  # [G, H, Q]
     w1_tau = (phi[..., None] * w1.astype(wide)[None, :, None, :]).reshape(
         groups, width, n_q * f)  # [G, H, Q·F]: group g's diag φ(τ_gq)·W1, side by side
-    fold = bias_in_product and md == "float32" and not use_pallas(impl, "reductions")
+    fold = (bias_in_product and md == "float32" and not use_pallas(impl, "reductions")
+            and not tail_kernel)
     if fold:  # b1 as a weight row read by a constant-1 input column
         h = jnp.concatenate([h, jnp.ones((b, 1), h.dtype), jnp.zeros((b, 7), h.dtype)], -1)
         rows = jnp.zeros((groups, 8, n_q * f), w1_tau.dtype).at[:, 0].set(
@@ -347,6 +353,12 @@ def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, 
         pre = matmul(h, w1_tau[0], md, act_dtype(md, h))
     else:  # one batched [G, B/G, H] × [G, H, Q·F] product
         pre = matmul(h.reshape(groups, b // groups, width), w1_tau, md, act_dtype(md, h))
+    if tail_kernel:  # bias, ReLU and the output layer: one kernel over [B·Q, F] rows
+        from jdqn.pallas import iqn_tail
+
+        out = iqn_tail.iqn_tail(pre.reshape(b * n_q, f), b1, w2, b2,
+                                jax.default_backend() != "gpu")
+        return out.reshape(b, n_q, -1)
     pre = pre.reshape(b, n_q, f)
     hid = nn.relu(pre if fold else add_bias(pre, b1, impl))
     return add_bias(matmul(hid, w2, md, wide_dtype(md, hid)), b2, impl)  # [B, Q, O]
@@ -372,6 +384,8 @@ class IQNHead(nn.Module):
     gradient is taken (the target network's quantiles at s′); the result is the same function
     either way. ``bias_in_product`` (shared fractions): the hidden layer's bias inside the first
     product (:func:`iqn_features_shared`), asked for where no gradient is taken.
+    ``tail_kernel`` (shared fractions, float32): the hidden bias, ReLU and output layer as
+    :mod:`jdqn.pallas.iqn_tail`'s kernels (forward and backward).
     """
 
     branch_sizes: tuple[int, ...]
@@ -382,6 +396,7 @@ class IQNHead(nn.Module):
     modulation_kernel: bool = False  # see iqn_features
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
     bias_in_product: bool = False  # shared fractions: b1 inside the first product (grad-free)
+    tail_kernel: bool = False  # shared fractions: jdqn.pallas.iqn_tail's kernels (float32)
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:
@@ -398,7 +413,7 @@ class IQNHead(nn.Module):
         w2, b2 = jnp.concatenate(cols, axis=1), jnp.concatenate(bias)
         if taus.ndim == 1 or taus.shape[0] < h.shape[0]:  # shared by every row or by groups
             out = iqn_features_shared(h, taus, we, be, w1, b1, w2, b2, self.matmul_dtype,
-                                      self.impl, self.bias_in_product)
+                                      self.impl, self.bias_in_product, self.tail_kernel)
         elif self.fused:
             from jdqn.pallas.iqn import iqn_features_pallas
 

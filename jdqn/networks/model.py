@@ -56,10 +56,15 @@ class NetOutput(NamedTuple):
 
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
     """The IQN head of ``c``. Where no gradient is taken: its fused kernel if ``c.impl`` says so,
-    and the hidden layer's bias inside the first product (:func:`iqn_features_shared`)."""
+    and the hidden layer's bias inside the first product (:func:`iqn_features_shared`). The
+    output stage's kernels (:mod:`jdqn.pallas.iqn_tail`, float32 matmuls) under ``"iqn_tail"``
+    where no gradient is taken and ``"iqn_tail_grad"`` where one is."""
+    tail = c.matmul_dtype == "float32" and use_pallas(
+        c.impl, "iqn_tail" if grad_free else "iqn_tail_grad")
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
                    grad_free and use_pallas(c.impl, "iqn"),
-                   use_pallas(c.impl, "iqn_modulation"), c.impl, bias_in_product=grad_free, **kw)
+                   use_pallas(c.impl, "iqn_modulation"), c.impl, bias_in_product=grad_free,
+                   tail_kernel=tail, **kw)
 
 
 class BranchingQNetwork(nn.Module):

@@ -53,6 +53,13 @@ Kernels in this version:
   update 2.622–2.641 against 2.695–2.716 ms (float32, two machine sessions), then 2.637–2.650
   against 2.650–2.661 with the conditioning kernel; bf16 1.757–1.767 against 1.796–1.802 ms.
 
+* :func:`jdqn.pallas.iqn_tail.iqn_tail` — the IQN head's output stage (hidden bias, ReLU,
+  output layer) over its first product's ``[B·Q, F]`` rows, with a backward kernel; float32.
+  The oracle is :func:`jdqn.pallas.iqn_tail.reference`. Measured on the H200: forward 46 vs
+  68 µs, backward 115–120 vs 154–158 µs alone; in the online head at s (``"iqn_tail_grad"``)
+  the update 2.532–2.534 against 2.576–2.589 ms float32; in the target's grad-free head as
+  well (``"iqn_tail"``) slower than the online head alone (2.556–2.566 against 2.550–2.553).
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -68,10 +75,13 @@ Array = jax.Array
 
 # Kernels measured on the H200 to speed up the update (bench/results/: the projection, the
 # GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, its backward kernel in the
-# differentiated forward, train_h200_f32_grn_tail_grad*_ab.json, and the double-Q selection
-# at s′, train_h200_*_double_q_*ab*.json). Not listed, measured slower in the update:
-# "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
-GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q"})
+# differentiated forward, train_h200_f32_grn_tail_grad*_ab.json, the double-Q selection at s′,
+# train_h200_*_double_q_*ab*.json, and the IQN output stage in the online head at s,
+# train_h200_f32_iqn_tail_ab*.json). Not listed, measured slower in the update: "c51_loss",
+# "iqn", "moe", "reductions", "iqn_tail" (the target's grad-free IQN head); no faster:
+# "iqn_modulation".
+GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
+                           "iqn_tail_grad"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:
