@@ -74,6 +74,23 @@ def pallas_kernel_names(jaxpr) -> list[str]:
             for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
 
 
+def assert_loss_and_grads_close(loss, reference, params, tol: float) -> None:
+    """``loss(params)`` and ``reference(params)`` (each returning ``(value, aux)``) agree: the
+    values to ``tol`` relative, every gradient leaf to ``tol`` times the reference's largest
+    gradient entry (a kernel path against the XLA network's)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    (got, _), g_got = jax.value_and_grad(loss, has_aux=True)(params)
+    (want, _), g_want = jax.value_and_grad(reference, has_aux=True)(params)
+    np.testing.assert_allclose(got, want, rtol=tol)
+    flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_want)
+    for a, b in zip(flat_got, flat_want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)
+
+
 def random_bars(t_len: int, n_feat: int, seed: int = 0, *, start: float = 1600.0,
                 step_sd: float = 1.0, open_sd: float = 0.3, max_wick_ticks: int = 2):
     """Random OHLC bars on the 0.25 tick grid (exact in float32) plus random features.

@@ -4,18 +4,14 @@ network taking them where (and only where) its switches say."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import pallas_kernel_names, x64
+from helpers import assert_loss_and_grads_close, pallas_kernel_names, x64
+from test_pallas import _kernel_and_xla_losses
 
-from jdqn.config import ModelConfig, TrainConfig
-from jdqn.losses import init_moe_state, total_loss
-from jdqn.networks import BranchingQNetwork, init_params
+from jdqn.config import ModelConfig
 from jdqn.pallas import iqn_tail
 
 NAMES = ("pre", "b1", "w2", "b2")
@@ -129,14 +125,6 @@ def test_iqn_tail_refuses_other_dtypes_and_ranks():
             pre.astype(jnp.float16))
 
 
-def _small_batch(k_obs, k_next, n_branches: int, b: int = 6):
-    from jdqn.losses import Batch
-
-    return Batch(obs=jax.random.normal(k_obs, (b, 24)), next_obs=jax.random.normal(k_next, (b, 24)),
-                 action=jnp.zeros((b, n_branches), jnp.int32), reward=jnp.ones((b,)),
-                 discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
-
-
 @pytest.mark.parametrize("keys", [("iqn_tail", "iqn_tail_grad"), ("iqn_tail_grad",),
                                   ("iqn_tail",)])
 @pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
@@ -156,31 +144,16 @@ def test_network_runs_the_iqn_tail_kernels_where_its_switches_say(monkeypatch, k
         return impl == "pallas" and kernel in keys
     for module in (pallas_module, total_module, heads_module, model_module, trunk_module):
         monkeypatch.setattr(module, "use_pallas", only)
-    cfg = ModelConfig(width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8,
-                      head_hidden=16, n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4, iqn_n_prime=4,
-                      iqn_tau_groups=2, matmul_dtype=matmul_dtype)
-    net, xla_net = (BranchingQNetwork(dataclasses.replace(cfg, impl=i)) for i in ("pallas", "xla"))
-    k = jax.random.split(jax.random.key(0), 4)
-    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
-    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
-
-    def loss(n):
-        return functools.partial(total_loss, batch=batch, key=k[0], moe_state=init_moe_state(3),
-                                 alpha=0.5, net=n, train_cfg=TrainConfig())
-
+    loss, xla_loss, params = _kernel_and_xla_losses(ModelConfig(
+        width=32, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=8, head_hidden=16,
+        n_atoms=11, iqn=True, iqn_embed=8, iqn_n=4, iqn_n_prime=4, iqn_tau_groups=2,
+        matmul_dtype=matmul_dtype))
     names = [n for n in pallas_kernel_names(jax.make_jaxpr(jax.grad(
-        lambda p: loss(net)(p, target)[0]))(params).jaxpr) if n.startswith("iqn_tail")]
+        lambda p: loss(p)[0]))(params).jaxpr) if n.startswith("iqn_tail")]
     want_names = []
     if matmul_dtype == "float32":
         want_names = (["iqn_tail"] * (("iqn_tail_grad" in keys) + ("iqn_tail" in keys))
                       + ["iqn_tail_bwd"] * ("iqn_tail_grad" in keys))
     assert sorted(names) == sorted(want_names), names
-    (got, _), g_got = jax.value_and_grad(lambda p: loss(net)(p, target), has_aux=True)(params)
-    (want, _), g_want = jax.value_and_grad(lambda p: loss(xla_net)(p, target),
-                                           has_aux=True)(params)
-    tol = 1e-5 if matmul_dtype == "float32" else 3e-2
-    np.testing.assert_allclose(got, want, rtol=tol)
-    flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_want)
-    for a, b in zip(flat_got, flat_want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)
+    assert_loss_and_grads_close(loss, xla_loss, params,
+                                1e-5 if matmul_dtype == "float32" else 3e-2)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import x64
+from helpers import assert_loss_and_grads_close, x64
 
 from jdqn.config import ConfigError, ModelConfig, TrainConfig, config_from_dict
 from jdqn.losses import init_moe_state, total_loss
@@ -269,6 +269,23 @@ def _small_batch(k_obs, k_next, n_branches: int, b: int = 6):
     return Batch(obs=jax.random.normal(k_obs, (b, 24)), next_obs=jax.random.normal(k_next, (b, 24)),
                  action=jnp.zeros((b, n_branches), jnp.int32), reward=jnp.ones((b,)),
                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+
+
+def _kernel_and_xla_losses(cfg: ModelConfig):
+    """For ``cfg`` with ``impl = "pallas"`` and ``"xla"``: the total loss of each network as a
+    function of the online parameters (a fixed target network, six transitions of
+    :func:`_small_batch`), and the online parameters. Which kernels ``"pallas"`` takes is the
+    caller's monkeypatched ``use_pallas``, read when the loss is traced."""
+    net, xla_net = (BranchingQNetwork(dataclasses.replace(cfg, impl=i)) for i in ("pallas", "xla"))
+    k = jax.random.split(jax.random.key(0), 4)
+    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
+    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
+
+    def loss(n):
+        return lambda p: total_loss(p, target, batch, k[0], init_moe_state(cfg.n_experts), 0.5,
+                                    net=n, train_cfg=TrainConfig())
+
+    return loss(net), loss(xla_net), params
 
 
 @pytest.mark.parametrize("taus", ["sample", "batch"])
@@ -775,19 +792,10 @@ def test_differentiated_forward_runs_the_grn_tail_and_its_backward_kernel(monkey
 
     monkeypatch.setattr(trunk_module, "use_pallas", lambda impl, kernel: impl == "pallas" and (
         kernel in ("grn_tail", "grn_tail_grad")))
-    cfg = ModelConfig(width=32, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8,
-                      head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=matmul_dtype)
-    net, xla_net = (BranchingQNetwork(dataclasses.replace(cfg, impl=i)) for i in ("pallas", "xla"))
-    k = jax.random.split(jax.random.key(0), 4)
-    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
-    batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
-
-    def loss(n):
-        return functools.partial(total_loss, batch=batch, key=k[0], moe_state=init_moe_state(3),
-                                 alpha=0.5, net=n, train_cfg=TrainConfig())
-
-    names = pallas_kernel_names(jax.make_jaxpr(jax.grad(
-        lambda p: loss(net)(p, target)[0]))(params).jaxpr)
+    loss, xla_loss, params = _kernel_and_xla_losses(ModelConfig(
+        width=32, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8, head_hidden=16,
+        n_atoms=11, iqn=False, matmul_dtype=matmul_dtype))
+    names = pallas_kernel_names(jax.make_jaxpr(jax.grad(lambda p: loss(p)[0]))(params).jaxpr)
     grn = [n for n in names if "grn" in n]
     if matmul_dtype == "float32":
         assert grn.count("grn_tail_bwd") == 2 and grn.count("grn_tail") == 4, grn
@@ -795,14 +803,7 @@ def test_differentiated_forward_runs_the_grn_tail_and_its_backward_kernel(monkey
         monkeypatch.setattr(trunk_module, "use_pallas",
                             lambda impl, kernel: impl == "pallas" and kernel == "grn_tail")
         alone = [n for n in pallas_kernel_names(jax.make_jaxpr(jax.grad(
-            lambda p: loss(net)(p, target)[0]))(params).jaxpr) if "grn" in n]
+            lambda p: loss(p)[0]))(params).jaxpr) if "grn" in n]
         assert "grn_tail_bwd" not in grn and grn == alone and grn, grn
-    (got, _), g_got = jax.value_and_grad(lambda p: loss(net)(p, target), has_aux=True)(params)
-    (want, _), g_want = jax.value_and_grad(lambda p: loss(xla_net)(p, target),
-                                           has_aux=True)(params)
-    tol = 1e-5 if matmul_dtype == "float32" else 3e-2
-    np.testing.assert_allclose(got, want, rtol=tol)
-    flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_want)
-    for a, b in zip(flat_got, flat_want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)
+    assert_loss_and_grads_close(loss, xla_loss, params,
+                                1e-5 if matmul_dtype == "float32" else 3e-2)
