@@ -18,6 +18,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
     python bench/kernels.py --kernel iqn_tail   # the IQN output stage (bias, ReLU, W2)
     python bench/kernels.py --kernel iqn_tail_grad  # its gradient (backward kernel)
+    python bench/kernels.py --kernel moe_gate_grad  # the MoE gated hidden layer's gradient
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -398,6 +399,40 @@ def bench_iqn_tail(b: int, reps: int, tiles: list[tuple[int, ...]], grad: bool, 
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
+def bench_moe_gate_grad(b: int, reps: int, tiles: list[tuple[int, int]], k: int = 8,
+                        e: int = 64, interpret: bool = False) -> dict:
+    """The MoE gated hidden layer's gradient (``jdqn.pallas.moe_gate``) at the update's shape:
+    the gradients of ``Σ w · ct`` for ``w = g ⊗ relu(pre + b1)`` with respect to pre, b1 and
+    the gate — XLA's autodiff of the reference (its forward residuals included, as in the
+    update) against the backward kernel over tiles (rows per program / warps), the cotangent
+    first; the largest relative difference and a bitwise repeat. ``interpret``: the kernel rows
+    in Pallas' interpreter (off the GPU; for tests)."""
+    from jdqn.pallas import moe_gate
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    args = (jax.random.normal(ks[3], (b, k * e)), jax.random.normal(ks[0], (b, k * e)),
+            0.1 * jax.random.normal(ks[1], (k * e,)),
+            jax.nn.softmax(jax.random.normal(ks[2], (b, k)), axis=-1))
+
+    def grads_of(fn):
+        return lambda ct, *operands: jax.vjp(fn, *operands)[1](ct)
+
+    fns = {"xla_reference": grads_of(moe_gate.reference)}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = grads_of(functools.partial(
+            moe_gate.gated_hidden, interpret=interpret, rows=rows, warps=warps))
+    ref = [np.asarray(g) for g in jax.jit(fns["xla_reference"])(*args)]
+
+    def compare(a, a2):
+        rel = [float(np.max(np.abs(np.asarray(x) - y)) / np.max(np.abs(y)))
+               for x, y in zip(a, ref)]
+        return {"max_rel_diff": dict(zip(("dpre", "db1", "dgate"), rel)),
+                "bitwise_repeat": all(bool(np.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"experts": k, "expert_hidden": e, "interpret": interpret,
+            "results": _time_tiles(fns, args, reps, compare, interpret)}
+
+
 def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
                    sizes: tuple[int, ...] = (4, 3, 3, 3), interpret: bool = False) -> dict:
     """The double-Q selection at s′ (``jdqn.pallas.double_q``) at the update's shape: the
@@ -511,7 +546,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
                                          "modulation", "reduce", "grn_tail", "grn_tail_grad",
-                                         "double_q", "iqn_tail", "iqn_tail_grad"),
+                                         "double_q", "iqn_tail", "iqn_tail_grad",
+                                         "moe_gate_grad"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -532,13 +568,16 @@ def main() -> None:
     ap.add_argument("--iqn-tail-grad-tiles", default="32/4/4,32/2/4,32/8/4,16/8/4,64/4/4",
                     help="IQN output-stage backward kernel tiles to time: "
                          "rows/steps/num_warps, comma-separated")
+    ap.add_argument("--moe-gate-tiles", default="16/4,8/4,32/4,16/8,8/2",
+                    help="MoE gated-hidden backward kernel tiles to time: rows/num_warps, "
+                         "comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad): run the "
-                         "kernel in Pallas' interpreter (tests)")
+                    help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad) / "
+                         "moe_gate_grad: run the kernel in Pallas' interpreter (tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -583,6 +622,13 @@ def main() -> None:
                           **bench_iqn_tail(b, args.reps, [
                               tuple(int(v) for v in t.split("/")) for t in tiles.split(",")],
                               grad, interpret=args.interpret), **meta}))
+        return
+    if args.kernel == "moe_gate_grad":
+        print(json.dumps({"bench": "kernels", "kernel": "moe_gate_grad",
+                          **bench_moe_gate_grad(b, args.reps, [
+                              tuple(int(v) for v in t.split("/"))
+                              for t in args.moe_gate_tiles.split(",")], interpret=args.interpret),
+                          **meta}))
         return
     if args.kernel == "double_q":
         print(json.dumps({"bench": "kernels", "kernel": "double_q",

@@ -74,6 +74,18 @@ def pallas_kernel_names(jaxpr) -> list[str]:
             for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
 
 
+def assert_grads_close(got, want, names, rel: float = 2e-6, dtype=None) -> None:
+    """Each gradient in ``got`` within ``rel`` times the largest entry of its float64 oracle in
+    ``want`` (named ``names``, in order); with ``dtype``, each also of that dtype."""
+    import numpy as np
+
+    for name, a, b in zip(names, got, want, strict=True):
+        assert dtype is None or a.dtype == dtype, (name, a.dtype)
+        scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=rel * scale,
+                                   err_msg=name)
+
+
 def assert_loss_and_grads_close(loss, reference, params, tol: float) -> None:
     """``loss(params)`` and ``reference(params)`` (each returning ``(value, aux)``) agree: the
     values to ``tol`` relative, every gradient leaf to ``tol`` times the reference's largest

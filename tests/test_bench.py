@@ -207,17 +207,23 @@ def test_kernels_bench_times_the_grn_tail_against_xla_at_the_pair_shape():
     assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
 
 
+def _assert_parity_rows(out: dict, names) -> None:
+    """Every timed row of a kernels-bench record: a time, a bitwise repeat, and each output's
+    relative difference from XLA's reference under 1e-5 (the reference's own row exactly 0)."""
+    for name, r in out["results"].items():
+        assert r["us"] > 0 and r["bitwise_repeat"], name
+        assert set(r["max_rel_diff"]) == set(names), name
+        assert max(r["max_rel_diff"].values()) < 1e-5, name
+    assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
+
+
 def test_kernels_bench_times_the_grn_tail_gradient_against_xla_autodiff():
     out = _kernels_bench("--kernel", "grn_tail_grad", "--batch", "40", "--reps", "1",
                          "--grn-grad-tiles", "8/4,16/2", "--interpret")
     assert out["kernel"] == "grn_tail_grad" and out["batch"] == 40 and out["interpret"] is True
     assert out["width"] == 256
     assert set(out["results"]) == {"xla_reference", "pallas_rows8_w4", "pallas_rows16_w2"}
-    for name, r in out["results"].items():
-        assert r["us"] > 0 and r["bitwise_repeat"], name
-        assert set(r["max_rel_diff"]) == {"dy", "db", "dx", "dscale", "doffset"}, name
-        assert max(r["max_rel_diff"].values()) < 1e-5, name
-    assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
+    _assert_parity_rows(out, ("dy", "db", "dx", "dscale", "doffset"))
 
 
 @pytest.mark.parametrize("kernel, tiles, names", [
@@ -231,11 +237,16 @@ def test_kernels_bench_times_the_iqn_tail_kernels_against_xla(kernel, tiles, nam
         f"steps{t.split('/')[1]}_w{t.split('/')[2]}" if kernel.endswith("grad")
         else f"w{t.split('/')[1]}") for t in tiles[1].split(",")]
     assert set(out["results"]) == {"xla_reference", *tile_names}
-    for name, r in out["results"].items():
-        assert r["us"] > 0 and r["bitwise_repeat"], name
-        assert set(r["max_rel_diff"]) == set(names), name
-        assert max(r["max_rel_diff"].values()) < 1e-5, name
-    assert max(out["results"]["xla_reference"]["max_rel_diff"].values()) == 0.0
+    _assert_parity_rows(out, names)
+
+
+def test_kernels_bench_times_the_moe_gate_gradient_against_xla_autodiff():
+    out = _kernels_bench("--kernel", "moe_gate_grad", "--batch", "20", "--reps", "1",
+                         "--moe-gate-tiles", "16/4,8/2", "--interpret")
+    assert out["kernel"] == "moe_gate_grad" and out["batch"] == 20 and out["interpret"] is True
+    assert (out["experts"], out["expert_hidden"]) == (8, 64)
+    assert set(out["results"]) == {"xla_reference", "pallas_rows16_w4", "pallas_rows8_w2"}
+    _assert_parity_rows(out, ("dpre", "db1", "dgate"))
 
 
 def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape():

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_loss_and_grads_close, pallas_kernel_names, x64
+from helpers import assert_grads_close, assert_loss_and_grads_close, pallas_kernel_names, x64
 from test_pallas import _kernel_and_xla_losses
 
 from jdqn.config import ModelConfig
@@ -38,12 +38,8 @@ def _grads(args, ct, **tiles):
                     argnums=(0, 1, 2, 3))(*args)
 
 
-def _assert_close(got, want, rel=2e-6):
-    for name, a, b in zip(NAMES, got, want, strict=True):
-        assert a.dtype == jnp.float32, name
-        scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=rel * scale,
-                                   err_msg=name)
+def _assert_close(got, want):
+    assert_grads_close(got, want, NAMES, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("shape", [(37, 128, 14), (1, 16, 16), (64, 20, 3), (0, 128, 14)])

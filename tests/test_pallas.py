@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_loss_and_grads_close, x64
+from helpers import assert_grads_close, assert_loss_and_grads_close, x64
 
 from jdqn.config import ConfigError, ModelConfig, TrainConfig, config_from_dict
 from jdqn.losses import init_moe_state, total_loss
@@ -132,6 +132,7 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     for slower in ("c51_loss", "iqn", "moe", "reductions", "iqn_tail"):
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
+    assert not pallas.use_pallas("auto", "moe_gate_grad")  # not yet measured on the GPU
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "cpu")
     assert not pallas.use_pallas("auto", "projection")
@@ -573,10 +574,7 @@ def _grn_tail_grads_f64(args, ct):
 
 
 def _assert_grads_close(got, want, rel=2e-6):
-    for name, a, b in zip(("y", "b", "x", "scale", "offset"), got, want, strict=True):
-        scale = max(float(np.max(np.abs(b), initial=0.0)), 1e-30)
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=rel * scale,
-                                   err_msg=name)
+    assert_grads_close(got, want, ("y", "b", "x", "scale", "offset"), rel)
 
 
 @pytest.mark.parametrize("shape", GRN_TAIL_SHAPES)

@@ -257,7 +257,10 @@ class MixtureOfExperts(nn.Module):
     hidden: int
     gate_hidden: int
     matmul_dtype: str = "float32"
-    impl: str = "xla"  # ModelConfig.impl: "pallas" runs the mixture as jdqn.pallas.moe's kernels
+    # ModelConfig.impl: "pallas" runs the mixture as jdqn.pallas.moe's kernels; a kernel set
+    # holding "moe_gate_grad" but not "moe" differentiates the gated hidden layer through
+    # jdqn.pallas.moe_gate's backward kernel (float32)
+    impl: str = "xla"
 
     @nn.compact
     def __call__(self, x: Array, obs: Array) -> MoEOutput:
@@ -272,14 +275,23 @@ class MixtureOfExperts(nn.Module):
         gate = jax.nn.softmax(gate_logits, axis=-1)
 
         md, act = self.matmul_dtype, act_dtype(self.matmul_dtype, x)
-        hidden = nn.relu(add_bias(_einsum("bh,khe->bke", x, w1, md, act), b1,
-                                  self.impl))  # [B, K, E]
+        pre = _einsum("bh,khe->bke", x, w1, md, act)  # [B, K, E]
         if md == "float32" and x.dtype == jnp.float32 and use_pallas(self.impl, "moe"):
             from jdqn.pallas.moe import moe_mixture_pallas  # the same function, fused
 
-            h, gate = moe_mixture_pallas(gate_logits, hidden, w2, b2,
-                                         jax.default_backend() != "gpu")
+            h, gate = moe_mixture_pallas(gate_logits, nn.relu(add_bias(pre, b1, self.impl)),
+                                         w2, b2, jax.default_backend() != "gpu")
             return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
+        if md == "float32" and use_pallas(self.impl, "moe_gate_grad"):
+            from jdqn.pallas import moe_gate
+
+            rows = (x.shape[0], k * e)
+            if moe_gate.eligible(pre.reshape(rows), gate):  # the gradient: one Pallas kernel
+                weighted = moe_gate.gated_hidden(pre.reshape(rows), b1.reshape(-1), gate,
+                                                 jax.default_backend() != "gpu")
+                h = _mix_with_bias(weighted, gate, w2.reshape(k * e, h_dim), b2)
+                return MoEOutput(h=h, gate=gate, gate_logits=gate_logits)
+        hidden = nn.relu(add_bias(pre, b1, self.impl))  # [B, K, E]
         weighted = mul_f32(gate[..., None], hidden, act)  # d gate sums over E in float32
         if md == "float32":  # the output bias rides in the mixture's product
             h = _mix_with_bias(weighted.reshape(x.shape[0], k * e), gate.astype(act),

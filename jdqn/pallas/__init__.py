@@ -60,6 +60,12 @@ Kernels in this version:
   the update 2.532–2.534 against 2.576–2.589 ms float32; in the target's grad-free head as
   well (``"iqn_tail"``) slower than the online head alone (2.556–2.566 against 2.550–2.553).
 
+* :func:`jdqn.pallas.moe_gate.gated_hidden` — the MoE's gated hidden layer
+  ``g ⊗ relu(pre + b1)`` (XLA's forward) with its gradient as one backward kernel (``d pre``,
+  the gate's gradient, the bias gradient's per-program partial sums); float32. The oracle is
+  :func:`jdqn.pallas.moe_gate.reference`. Not yet measured on the H200, so ``"auto"`` does not
+  take ``"moe_gate_grad"`` (under ``"pallas"`` the MoE runs :mod:`jdqn.pallas.moe` instead).
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -79,7 +85,7 @@ Array = jax.Array
 # train_h200_*_double_q_*ab*.json, and the IQN output stage in the online head at s,
 # train_h200_f32_iqn_tail_ab*.json). Not listed, measured slower in the update: "c51_loss",
 # "iqn", "moe", "reductions", "iqn_tail" (the target's grad-free IQN head); no faster:
-# "iqn_modulation".
+# "iqn_modulation"; not yet measured: "moe_gate_grad".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
                            "iqn_tail_grad"})
 
