@@ -542,6 +542,11 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
     return results
 
 
+def _tiles(spec: str) -> list[tuple[int, ...]]:
+    """A tile list option (``"64/4,32/2"``) as tuples of ints."""
+    return [tuple(int(v) for v in t.split("/")) for t in spec.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
@@ -591,59 +596,48 @@ def main() -> None:
         return
     if args.kernel == "moe":
         print(json.dumps({"bench": "kernels", "kernel": "moe",
-                          "results": bench_moe(b, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.moe_tiles.split(",")]), **meta}))
+                          "results": bench_moe(b, args.reps, _tiles(args.moe_tiles)), **meta}))
         return
     if args.kernel == "modulation":
         print(json.dumps({"bench": "kernels", "kernel": "modulation",
-                          **bench_modulation(b, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.modulation_tiles.split(",")]), **meta}))
+                          **bench_modulation(b, args.reps, _tiles(args.modulation_tiles)),
+                          **meta}))
         return
     if args.kernel == "grn_tail":
         print(json.dumps({"bench": "kernels", "kernel": "grn_tail",
-                          **bench_grn_tail(b, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.grn_tiles.split(",")], interpret=args.interpret),
+                          **bench_grn_tail(b, args.reps, _tiles(args.grn_tiles),
+                                           interpret=args.interpret),
                           **meta}))
         return
     if args.kernel == "grn_tail_grad":
         print(json.dumps({"bench": "kernels", "kernel": "grn_tail_grad",
-                          **bench_grn_tail_grad(b, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.grn_grad_tiles.split(",")], interpret=args.interpret),
+                          **bench_grn_tail_grad(b, args.reps, _tiles(args.grn_grad_tiles),
+                                                interpret=args.interpret),
                           **meta}))
         return
     if args.kernel in ("iqn_tail", "iqn_tail_grad"):
         grad = args.kernel == "iqn_tail_grad"
         tiles = args.iqn_tail_grad_tiles if grad else args.iqn_tail_tiles
         print(json.dumps({"bench": "kernels", "kernel": args.kernel,
-                          **bench_iqn_tail(b, args.reps, [
-                              tuple(int(v) for v in t.split("/")) for t in tiles.split(",")],
-                              grad, interpret=args.interpret), **meta}))
+                          **bench_iqn_tail(b, args.reps, _tiles(tiles), grad,
+                                           interpret=args.interpret), **meta}))
         return
     if args.kernel == "moe_gate_grad":
         print(json.dumps({"bench": "kernels", "kernel": "moe_gate_grad",
-                          **bench_moe_gate_grad(b, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.moe_gate_tiles.split(",")], interpret=args.interpret),
+                          **bench_moe_gate_grad(b, args.reps, _tiles(args.moe_gate_tiles),
+                                                interpret=args.interpret),
                           **meta}))
         return
     if args.kernel == "double_q":
         print(json.dumps({"bench": "kernels", "kernel": "double_q",
-                          **bench_double_q(b, z, args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.double_q_tiles.split(",")],
-                              interpret=args.interpret), **meta}))
+                          **bench_double_q(b, z, args.reps, _tiles(args.double_q_tiles),
+                                           interpret=args.interpret), **meta}))
         return
     if args.kernel == "reduce":
         print(json.dumps({"bench": "kernels", "kernel": "reduce",
                           "dtype": args.dtype, "interpret": args.interpret,
-                          "results": bench_reduce(args.reps, [
-                              tuple(int(v) for v in t.split("/"))
-                              for t in args.reduce_tiles.split(",")], b, args.dtype,
-                              args.interpret), **meta}))
+                          "results": bench_reduce(args.reps, _tiles(args.reduce_tiles), b,
+                                                  args.dtype, args.interpret), **meta}))
         return
     if args.kernel == "c51_loss":
         print(json.dumps({"bench": "kernels", "kernel": "c51_loss",
