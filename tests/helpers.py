@@ -94,8 +94,8 @@ def assert_loss_and_grads_close(loss, reference, params, tol: float) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    (got, _), g_got = jax.value_and_grad(loss, has_aux=True)(params)
-    (want, _), g_want = jax.value_and_grad(reference, has_aux=True)(params)
+    (got, _), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    (want, _), g_want = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
     np.testing.assert_allclose(got, want, rtol=tol)
     flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
     scale = max(float(jnp.max(jnp.abs(g))) for g in flat_want)

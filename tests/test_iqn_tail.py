@@ -121,9 +121,9 @@ def test_iqn_tail_refuses_other_dtypes_and_ranks():
             pre.astype(jnp.float16))
 
 
-@pytest.mark.parametrize("keys", [("iqn_tail", "iqn_tail_grad"), ("iqn_tail_grad",),
-                                  ("iqn_tail",)])
-@pytest.mark.parametrize("matmul_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("keys", "matmul_dtype"), [
+    (("iqn_tail", "iqn_tail_grad"), "float32"), (("iqn_tail_grad",), "float32"),
+    (("iqn_tail",), "float32"), (("iqn_tail", "iqn_tail_grad"), "bfloat16")])
 def test_network_runs_the_iqn_tail_kernels_where_its_switches_say(monkeypatch, keys,
                                                                   matmul_dtype):
     """Under float32 matmuls ``"iqn_tail_grad"`` puts the online head at s (differentiated)

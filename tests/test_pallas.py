@@ -310,8 +310,8 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
     batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
-    jax.grad(lambda p: total_loss(p, target, batch, k[4], init_moe_state(3), 0.5, net=net,
-                                  train_cfg=TrainConfig())[0])(params)
+    jax.jit(jax.grad(lambda p: total_loss(p, target, batch, k[4], init_moe_state(3), 0.5,
+                                          net=net, train_cfg=TrainConfig())[0]))(params)
     if taus == "batch":
         assert seen == []
         return
@@ -380,7 +380,7 @@ def test_differentiated_iqn_head_takes_the_modulation_kernel_under_pallas(monkey
 
         jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
         kernels = pallas_kernel_names(jaxpr)
-        results[impl] = kernels, jax.grad(loss)(params)
+        results[impl] = kernels, jax.jit(jax.grad(loss))(params)
     assert results["xla"][0] == []
     assert len(results["pallas"][0]) == 1 and "iqn_modulation_bwd" in results["pallas"][0][0]
     chex.assert_trees_all_close(results["pallas"][1], results["xla"][1], rtol=1e-5, atol=1e-6)
