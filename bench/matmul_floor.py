@@ -24,6 +24,13 @@ hopper_matmul_mgpu``, Pallas Mosaic GPU) over a small tile sweep for the rows it
     python bench/matmul_floor.py                      # default model (configs/gpu.toml), GPU
     python bench/matmul_floor.py --dtype bfloat16 --mgpu
     python bench/matmul_floor.py --quick              # small sizes, CPU smoke run
+    python bench/matmul_floor.py --split-k 2,4,8      # + the long contractions split in parts
+
+``--split-k`` times, for each dot contracting over at least ``--split-min`` elements (the
+weight gradients, whose contraction runs over the batch), the same product with its
+contraction split into S parts made a batch axis and summed afterwards (:func:`split_k_fn`):
+whether handing cuBLAS more, shorter products beats its own choice for the few output tiles
+such a gradient has.
 """
 
 from __future__ import annotations
@@ -110,6 +117,33 @@ def _dot_fn(key):
         a, b, dn, precision=precision, preferred_element_type=pref))
 
 
+def split_k_fn(key, s: int):
+    """The dot of ``key`` with its contraction split into ``s`` parts: the contracting axis
+    (one per operand; its size divisible by ``s``) reshaped to ``[s, K/s]``, the ``s`` axis made
+    a batch axis of the product, and the ``s`` partial products summed by XLA in a fixed order —
+    what a custom VJP could hand XLA for a weight gradient whose contraction runs over the batch
+    (few output tiles, a long K). None where the dot does not have that form."""
+    ls, _, _, _, dn, precision, pref = key
+    (lc, rc), (lb, rb) = dn
+    if len(lc) != 1 or ls[lc[0]] % s:
+        return None
+    (c, d), k = (lc[0], rc[0]), ls[lc[0]]
+
+    def shifted(axes, at):  # axis indices after an axis is inserted at ``at``
+        return tuple(a + (a > at) for a in axes)
+
+    dn_split = (((c + 1,), (d + 1,)), (shifted(lb, c) + (c,), shifted(rb, d) + (d,)))
+
+    def fn(a, b):
+        a = a.reshape(a.shape[:c] + (s, k // s) + a.shape[c + 1:])
+        b = b.reshape(b.shape[:d] + (s, k // s) + b.shape[d + 1:])
+        parts = jax.lax.dot_general(a, b, dn_split, precision=precision,
+                                    preferred_element_type=pref)
+        return jnp.sum(parts, axis=len(lb)).astype(parts.dtype)
+
+    return jax.jit(fn)
+
+
 def _operands(key, seed: int = 0):
     ls, ld, rs, rd = key[:4]
     ka, kb = jax.random.split(jax.random.key(seed))
@@ -140,6 +174,16 @@ def flops_bytes(key) -> tuple[float, float]:
     nbytes = (np.prod(ls) * np.dtype(ld).itemsize + np.prod(rs) * np.dtype(rd).itemsize
               + batch * m * n * out_dtype.itemsize)
     return 2.0 * batch * m * n * contract, float(nbytes)
+
+
+def _out_size(key) -> int:
+    """Elements of the dot's result."""
+    ls, _, rs, _, dn, _, _ = key
+    (lc, rc), (lb, _) = dn
+    lhs_free = int(np.prod(ls)) // int(np.prod([ls[i] for i in lc + lb]))
+    rhs_free = int(np.prod(rs)) // int(np.prod([rs[i] for i in rc])) // int(
+        np.prod([ls[i] for i in lb]))
+    return int(np.prod([ls[i] for i in lb])) * lhs_free * rhs_free
 
 
 def mgpu_us(key, repeats: int) -> dict:
@@ -205,8 +249,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--mgpu", action="store_true",
                     help="also time JAX's Hopper Mosaic-GPU matmul (GPU only)")
+    ap.add_argument("--split-k", default="",
+                    help="also time each dot whose contraction is at least --split-min long "
+                         "with it split into S parts (comma-separated S), e.g. 2,4,8")
+    ap.add_argument("--split-min", type=int, default=4096)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     args = ap.parse_args()
+    try:
+        splits = [int(x) for x in args.split_k.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--split-k {args.split_k!r}: expected comma-separated integers") from None
+    if any(x < 2 for x in splits):
+        raise SystemExit(f"--split-k {args.split_k!r}: each split must be at least 2")
     if args.mgpu and jax.default_backend() != "gpu":
         raise SystemExit("--mgpu needs a GPU (the Mosaic GPU kernel does not run elsewhere)")
     batch = args.batch or (256 if args.quick else 16384)
@@ -230,6 +284,18 @@ def main() -> None:
                "tflop_s": round(flops / us / 1e6, 1), "tb_s": round(nbytes / us / 1e6, 2)}
         if args.mgpu:
             row["mgpu"] = mgpu_us(key, args.repeats)
+        contract = flops / (2.0 * _out_size(key))
+        if splits and contract >= args.split_min:
+            ref = np.asarray(_dot_fn(key)(*_operands(key)), np.float32)
+            row["split_k"] = {}
+            for s in splits:
+                fn = split_k_fn(key, s)
+                if fn is None:
+                    continue
+                got = np.asarray(fn(*_operands(key)), np.float32)
+                row["split_k"][str(s)] = {
+                    "us": round(device_us(fn, _operands(key), args.repeats), 2),
+                    "max_rel_diff": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
         rows.append(row)
         total_us += count * us
         total_flops += count * flops

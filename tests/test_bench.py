@@ -300,6 +300,37 @@ def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
 
 
 @pytest.mark.slow
+def test_matmul_floor_split_k_is_the_same_product_in_parts():
+    """``split_k_fn`` (``--split-k``): the contraction split into S parts, made a batch axis and
+    summed, gives the dot's values for the update's weight-gradient forms — a 2-D ``xᵀ·g`` over
+    the batch, a batched (grouped) one, a contraction that is not the leading axis, a
+    ``preferred_element_type`` — and ``None`` where S does not divide it or there are several
+    contracting axes; ``_out_size`` counts the result's elements."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import matmul_floor
+
+    keys = [((64, 8), "float32", (64, 12), "float32", (((0,), (0,)), ((), ())), None, None),
+            ((3, 32, 5), "float32", (3, 32, 7), "float32", (((1,), (1,)), ((0,), (0,))),
+             None, None),
+            ((6, 48), "float32", (48, 4), "float32", (((1,), (0,)), ((), ())), None, None),
+            ((2, 16, 4), "bfloat16", (2, 16, 8), "bfloat16", (((1,), (1,)), ((0,), (0,))),
+             None, "float32")]
+    for key in keys:
+        a, b = matmul_floor._operands(key)
+        want = matmul_floor._dot_fn(key)(a, b)
+        assert matmul_floor._out_size(key) == want.size
+        for s in (2, 4, 8):
+            got = matmul_floor.split_k_fn(key, s)(a, b)
+            assert got.shape == want.shape and got.dtype == want.dtype, (key, s)
+            np.testing.assert_allclose(np.asarray(got, np.float32),
+                                       np.asarray(want, np.float32), rtol=1e-5, atol=1e-4)
+    assert matmul_floor.split_k_fn(keys[0], 5) is None  # 5 does not divide 64
+    two = ((4, 6, 8), "float32", (6, 8, 3), "float32", (((1, 2), (0, 1)), ((), ())), None, None)
+    assert matmul_floor.split_k_fn(two, 2) is None
+
+
 def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
     """The dots collected from one traced ``train_step`` carry the model's training FLOPs (the
     analytic count of ``train_flops_per_sample``, to 5 %: that count takes the backward as twice
