@@ -126,16 +126,18 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     from jdqn import pallas
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
-    for faster in ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail_grad"):
-        assert pallas.use_pallas("auto", faster)
+    faster = ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail_grad",
+              "moe_gate_grad")
+    assert pallas.GPU_VALIDATED == frozenset(faster)
+    for kernel in faster:
+        assert pallas.use_pallas("auto", kernel)
     # measured on the H200: slower than XLA there
     for slower in ("c51_loss", "iqn", "moe", "reductions", "iqn_tail"):
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
-    assert not pallas.use_pallas("auto", "moe_gate_grad")  # not yet measured on the GPU
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "cpu")
-    assert not pallas.use_pallas("auto", "projection")
+    assert not any(pallas.use_pallas("auto", kernel) for kernel in faster)
 
 
 def test_impl_switch_resolves_per_backend_and_refuses_unknown_values():

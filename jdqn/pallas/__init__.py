@@ -63,8 +63,10 @@ Kernels in this version:
 * :func:`jdqn.pallas.moe_gate.gated_hidden` — the MoE's gated hidden layer
   ``g ⊗ relu(pre + b1)`` (XLA's forward) with its gradient as one backward kernel (``d pre``,
   the gate's gradient, the bias gradient's per-program partial sums); float32. The oracle is
-  :func:`jdqn.pallas.moe_gate.reference`. Not yet measured on the H200, so ``"auto"`` does not
-  take ``"moe_gate_grad"`` (under ``"pallas"`` the MoE runs :mod:`jdqn.pallas.moe` instead).
+  :func:`jdqn.pallas.moe_gate.reference`. Measured on the H200: 71 vs 73 µs alone; in the
+  update (``"moe_gate_grad"``) 2.508–2.516 against 2.534–2.546 ms float32, and 2.511–2.515
+  against 2.540–2.542 in two more rounds (under ``"pallas"`` the MoE runs
+  :mod:`jdqn.pallas.moe` instead).
 
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
@@ -82,12 +84,13 @@ Array = jax.Array
 # Kernels measured on the H200 to speed up the update (bench/results/: the projection, the
 # GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, its backward kernel in the
 # differentiated forward, train_h200_f32_grn_tail_grad*_ab.json, the double-Q selection at s′,
-# train_h200_*_double_q_*ab*.json, and the IQN output stage in the online head at s,
-# train_h200_f32_iqn_tail_ab*.json). Not listed, measured slower in the update: "c51_loss",
+# train_h200_*_double_q_*ab*.json, the IQN output stage in the online head at s,
+# train_h200_f32_iqn_tail_ab*.json, and the MoE gated hidden layer's gradient,
+# train_h200_f32_moe_gate_*ab*.json). Not listed, measured slower in the update: "c51_loss",
 # "iqn", "moe", "reductions", "iqn_tail" (the target's grad-free IQN head); no faster:
-# "iqn_modulation"; not yet measured: "moe_gate_grad".
+# "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
-                           "iqn_tail_grad"})
+                           "iqn_tail_grad", "moe_gate_grad"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:

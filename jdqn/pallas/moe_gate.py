@@ -22,13 +22,18 @@ Float32 only; the oracle is :func:`reference`, to which values and gradients agr
 rounding (tested against float64, padded and vmapped). The network takes it under
 ``"moe_gate_grad"`` (:class:`jdqn.networks.trunk.MixtureOfExperts`, float32 matmuls).
 
-Status (2026-12-03): written and tested in the interpreter after the session's GPU time was
-spent, so **not yet compiled or timed on the H200**: ``"auto"`` does not take it
-(:data:`jdqn.pallas.GPU_VALIDATED`) until ``bench/kernels.py --kernel moe_gate_grad`` and an
-update A/B (``bench/ab.py``, a variant listing it there) show it faster. ``impl = "pallas"``
-runs the whole mixture as :mod:`jdqn.pallas.moe`'s kernels instead, which take precedence. What it would replace in the
-update's backward pass (``profile_h200_f32_iqn_tail_grad.json``, MoE scope): the masked select
-(33.3 µs), the gate product (24.7) and the gate's row reduction (11.4).
+Measured on the H200 (2026-12-03, jax 0.11.2): alone at B = 16384, K = 8, E = 64
+(``bench/kernels.py --kernel moe_gate_grad``, ``kernels_h200_moe_gate_grad.json``) 70.9–71.1 µs
+at 16–32 rows on 4 warps against 73.1 for XLA's autodiff of the reference, bitwise repeatable,
+within 2e-7 relative; in the update (``bench/ab.py``, alternated rounds in one machine
+session) 2.508–2.516 ms against 2.534–2.546 for the code before
+(``train_h200_f32_moe_gate_wgrad_split_ab.json``) and 2.511–2.515 against 2.540–2.542 in two
+more rounds (``…_moe_gate_ab2.json``); two ``gpu.toml`` runs bitwise identical
+(``determinism_h200_moe_gate_grad.json``). The serial-graph profile's MoE backward 208 → 185 µs
+(the kernel 34.5 µs in place of the masked select, the gate product and the gate's row
+reduction, 69 µs; ``profile_h200_f32_moe_gate_grad.json``). So ``"auto"`` takes it on the GPU
+(:data:`jdqn.pallas.GPU_VALIDATED`); ``impl = "pallas"`` runs the whole mixture as
+:mod:`jdqn.pallas.moe`'s kernels instead, which take precedence.
 """
 
 from __future__ import annotations
