@@ -299,7 +299,6 @@ def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():
     assert grad_flops == flops + unit * (1 + 6 + 4 + 4 + 4)
 
 
-@pytest.mark.slow
 def test_matmul_floor_split_k_is_the_same_product_in_parts():
     """``split_k_fn`` (``--split-k``): the contraction split into S parts, made a batch axis and
     summed, gives the dot's values for the update's weight-gradient forms — a 2-D ``xᵀ·g`` over
@@ -331,6 +330,7 @@ def test_matmul_floor_split_k_is_the_same_product_in_parts():
     assert matmul_floor.split_k_fn(two, 2) is None
 
 
+@pytest.mark.slow
 def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
     """The dots collected from one traced ``train_step`` carry the model's training FLOPs (the
     analytic count of ``train_flops_per_sample``, to 5 %: that count takes the backward as twice
