@@ -304,7 +304,7 @@ def test_matmul_floor_split_k_is_the_same_product_in_parts():
     summed, gives the dot's values for the update's weight-gradient forms — a 2-D ``xᵀ·g`` over
     the batch, a batched (grouped) one, a contraction that is not the leading axis, a
     ``preferred_element_type`` — and ``None`` where S does not divide it or there are several
-    contracting axes; ``_out_size`` counts the result's elements."""
+    contracting axes."""
     import numpy as np
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -319,7 +319,6 @@ def test_matmul_floor_split_k_is_the_same_product_in_parts():
     for key in keys:
         a, b = matmul_floor._operands(key)
         want = matmul_floor._dot_fn(key)(a, b)
-        assert matmul_floor._out_size(key) == want.size
         for s in (2, 4, 8):
             got = matmul_floor.split_k_fn(key, s)(a, b)
             assert got.shape == want.shape and got.dtype == want.dtype, (key, s)
@@ -372,13 +371,28 @@ def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
 
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "matmul_floor.py"), "--quick", "--batch", "32",
-         "--repeats", "1"], check=False, capture_output=True, text=True, timeout=600,
-        cwd=tmp_path)
+         "--repeats", "1", "--split-k", "2,3", "--split-min", "600"], check=False,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["batch"] == 32 and out["n_dots_per_update"] == sum(dots.values())
     assert out["isolated_matmul_us_per_update"] == pytest.approx(
         sum(r["count"] * r["us"] for r in out["rows"]), rel=1e-3, abs=1.0)
+    # --split-k: only the dots contracting over >= 600 elements get split rows, each split
+    # that divides the contraction one (the same product to float32 rounding)
+    split = [r for r in out["rows"] if "split_k" in r]
+    assert split and all(r["lhs"][0][r["dimension_numbers"][0][0][0]] >= 600 for r in split)
+    assert len(split) == sum(
+        r["lhs"][0][r["dimension_numbers"][0][0][0]] >= 600 for r in out["rows"]
+        if len(r["dimension_numbers"][0][0]) == 1)
+    for r in split:
+        k = r["lhs"][0][r["dimension_numbers"][0][0][0]]
+        assert set(r["split_k"]) == {str(s) for s in (2, 3) if k % s == 0}, r
+        assert all(v["us"] > 0 and v["max_rel_diff"] < 1e-5 for v in r["split_k"].values()), r
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "matmul_floor.py"), "--quick",
+                          "--split-k", "4,1"], check=False, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert bad.returncode != 0 and "--split-k '4,1': each split must be at least 2" in bad.stderr
 
 
 def test_xla_flags_sweep_keeps_failures_and_brackets_the_base(tmp_path, monkeypatch, capsys):
