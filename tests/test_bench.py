@@ -458,5 +458,18 @@ def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
     printed = _bench(tmp_path, "replay.py", "--capacity", "5000", "--batch", "256", "--reps", "3")
     assert printed["capacity"] == 5000 and printed["batch"] == 256
     assert set(printed["us"]) == {"sample", "update_sorting", "update_sorted",
-                                  "sample_and_update", "n_sampleable"}
+                                  "sample_and_update", "n_sampleable", "sums_xla", "sums_pallas",
+                                  "sample_pallas", "sample_and_update_pallas"}
     assert all(v > 0 for v in printed["us"].values())
+    # the kernel (in the interpreter here) against XLA's sums: float32 rounding apart
+    assert printed["impls"] == ["xla", "pallas"]
+    assert printed["parity"]["sums_max_rel_diff"] < 1e-5
+    assert printed["parity"]["sampled_slots_equal"] > 0.99
+    one = _bench(tmp_path, "replay.py", "--capacity", "600", "--batch", "16", "--reps", "1",
+                 "--impls", "pallas", "--warps", "2", "--profile", "1")
+    assert one["us"]["sums_pallas_warps2"] > 0 and "parity" not in one
+    assert set(one["profile"]) == {"pallas"}  # (no device kernels on the CPU: a host trace)
+    assert set(one["profile"]["pallas"]) == {"device_busy_us_per_call", "kernels_per_call", "top"}
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "replay.py"), "--impls", "cuda"],
+                         check=False, capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "--impls 'cuda'" in bad.stderr

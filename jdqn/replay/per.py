@@ -133,11 +133,42 @@ def _masses(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
     """
     filled = jnp.arange(state.capacity) < state.size
     p = jnp.where(filled, jnp.maximum(state.priorities, 0.0), 0.0)
-    pmax = jnp.max(p)
+    return _mass(p, filled, jnp.max(p), alpha)
+
+
+def _mass(p: jax.Array, filled: jax.Array, pmax: jax.Array,
+          alpha: float | jax.Array) -> jax.Array:
+    """The masses of slots with clamped priorities ``p`` (0 where not ``filled``), given the
+    filled maximum ``pmax`` (:func:`_masses`, elementwise)."""
     q = jnp.where(p > 0, (p / jnp.where(pmax > 0, pmax, 1.0)) ** alpha, 0.0)
     # Every mass is 0 exactly when pmax is: a slot holding pmax > 0 has mass 1^α = 1 (any α).
     # Read off the max rather than a second pass over q (a C-long reduction per update).
     return jnp.where(pmax > 0, q, filled.astype(jnp.float32)).astype(jnp.float32)
+
+
+def _sums(state: ReplayState, alpha: float | jax.Array,
+          impl: str) -> tuple[jax.Array, jax.Array, Any]:
+    """``(local [G, S], block_cum [G], mass_at)``: the two-level cumulative sums of the masses
+    and a function giving the masses at slot indices, through the implementation ``impl``
+    (``ModelConfig.impl``) selects: XLA's passes, or one Pallas kernel per block
+    (:mod:`jdqn.pallas.per_sums`, ``"per_sums"``)."""
+    from jdqn.pallas import use_pallas
+
+    if use_pallas(impl, "per_sums"):
+        from jdqn.pallas import per_sums
+
+        local, pmax = per_sums.block_cumsums(state.priorities, state.size, alpha,
+                                             interpret=jax.default_backend() != "gpu")
+
+        def mass_at(idx: jax.Array) -> jax.Array:
+            filled = idx < state.size
+            p = jnp.where(filled, jnp.maximum(state.priorities[idx], 0.0), 0.0)
+            return _mass(p, filled, pmax, alpha)
+
+        return local, jnp.cumsum(local[:, -1]), mass_at
+    q = _masses(state, alpha)
+    local, block_cum = _cumsums(q)
+    return local, block_cum, lambda idx: q[idx]
 
 
 def _cumsums(q: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -177,12 +208,12 @@ def _locate(local: jax.Array, block_cum: jax.Array, u: jax.Array) -> jax.Array:
     return blk * s + j
 
 
-def sampling_probabilities(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
+def sampling_probabilities(state: ReplayState, alpha: float | jax.Array,
+                           impl: str = "xla") -> jax.Array:
     """The exact distribution :func:`sample` draws from (``f32 [C]``), read off its own cumulative
     sums — for tests and diagnostics. Equals ``p^α / Σ p^α`` over filled slots up to float32
-    rounding of the two-level sums."""
-    q = _masses(state, alpha)
-    local, block_cum = _cumsums(q)
+    rounding of the two-level sums. ``impl`` as in :func:`sample`."""
+    local, block_cum, _ = _sums(state, alpha, impl)
     g = local.shape[0]
     # P(slot) = P(block) · P(slot | block), each the width of its interval in the float32 sums
     # that the two binary searches walk.
@@ -191,11 +222,11 @@ def sampling_probabilities(state: ReplayState, alpha: float | jax.Array) -> jax.
     block_t = local[:, -1]
     p_block = block_w / block_cum[-1]
     probs = slot_w / jnp.where(block_t > 0, block_t, 1.0)[:, None] * p_block[:, None]
-    return probs.reshape(-1)[: q.shape[0]].astype(jnp.float32)
+    return probs.reshape(-1)[: state.capacity].astype(jnp.float32)
 
 
 def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Array,
-           beta: float | jax.Array, axis_name: str | None = None) -> Sample:
+           beta: float | jax.Array, axis_name: str | None = None, impl: str = "xla") -> Sample:
     """Draw ``batch`` items with ``P(i) = p_i^α / Σ_j p_j^α`` over the filled slots (stratified).
 
     Returns the items (leaves ``[B, ...]``), their slot indices ``i32 [B]`` — non-decreasing (the
@@ -206,15 +237,17 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     elsewhere in the buffer from shrinking every weight). ``N`` = number of filled slots.
     Sampling an empty buffer is the caller's error (guard with ``size ≥ min_replay``); it returns
     slot 0 with weight 1 rather than NaN. Under data parallel (``axis_name``: each device samples
-    its own replay shard) the maximum is taken over the global batch.
+    its own replay shard) the maximum is taken over the global batch. ``impl``
+    (``ModelConfig.impl``): how the masses' cumulative sums are built — ``"xla"``, or on the
+    GPU under ``"auto"`` one Pallas kernel (:mod:`jdqn.pallas.per_sums`; the same sums to
+    float32 rounding, not bitwise).
     """
-    q = _masses(state, alpha)
-    local, block_cum = _cumsums(q)
+    local, block_cum, mass_at = _sums(state, alpha, impl)
     total = block_cum[-1]
     u = (jnp.arange(batch, dtype=jnp.float32) + jax.random.uniform(key, (batch,))) / batch * total
     idx = _locate(local, block_cum, u)
     idx = jnp.clip(idx, 0, jnp.maximum(state.size - 1, 0)).astype(jnp.int32)
-    prob = q[idx] / jnp.where(total > 0, total, 1.0)
+    prob = mass_at(idx) / jnp.where(total > 0, total, 1.0)
     n = jnp.maximum(state.size, 1).astype(jnp.float32)
     # log-space avoids overflow of (N·P)^-β for tiny P.
     logw = -beta * jnp.log(jnp.maximum(n * prob, jnp.finfo(jnp.float32).tiny))

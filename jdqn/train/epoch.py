@@ -220,7 +220,8 @@ def train_step(learner: Learner, state: TrainState, env_params: env_core.EnvPara
     key, k_sample, k_loss = jax.random.split(state.key, 3)
     sample = per.sample(state.replay, parallel.device_key(k_sample, ax),
                         c.batch_size // learner.n_devices, c.per_alpha,
-                        per_beta(learner, state.update_step), axis_name=ax)
+                        per_beta(learner, state.update_step), axis_name=ax,
+                        impl=learner.cfg.model.impl)
     it = sample.items
     batch = Batch(obs=env_core.obs_from_index(env_params, it.t, it.port), action=it.action,
                   reward=it.reward, discount=it.discount,
