@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import pallas_kernel_names
-from test_replay import ITEM, _chi2_critical, _exact_probs, _filled, _items
+from test_replay import (
+    ITEM,
+    _exact_probs,
+    _filled,
+    _items,
+    assert_frequencies_match,
+    chi_square_case,
+)
 
 from jdqn import replay as R
 from jdqn.pallas import per_sums
@@ -85,23 +92,11 @@ _sample_pallas = jax.jit(lambda st, key, b, a, be: R.sample(st, key, b, a, be, i
 
 
 def test_the_sampler_on_the_kernel_keeps_its_contract():
-    rng = np.random.default_rng(0)
-    pr = rng.uniform(0.01, 5.0, size=50)
-    pr[[7, 31]] = 0.0  # zero priority: never sampled
-    st = _filled(64, pr)  # 14 unfilled slots: never sampled
+    pr, st = chi_square_case()
     draws = jax.jit(lambda s, key: jax.vmap(
         lambda k: R.sample(s, k, 1000, 0.6, 0.4, impl="pallas").indices)(
             jax.random.split(key, 50)).reshape(-1))
-    idx = np.asarray(draws(st, jax.random.key(1)))  # 50k samples
-    counts = np.bincount(idx, minlength=64)
-    assert counts[50:].sum() == 0 and counts[7] == 0 and counts[31] == 0
-    expected = _exact_probs(pr, 0.6) * idx.size
-    cells = expected > 0
-    chi2 = float(np.sum((counts[:50][cells] - expected[cells]) ** 2 / expected[cells]))
-    crit = _chi2_critical(int(cells.sum()) - 1, 3.0902)
-    assert chi2 < crit, f"χ² = {chi2:.1f} ≥ {crit:.1f}"
-    wrong = _exact_probs(pr, 1.0)[cells] * idx.size  # the test rejects the wrong exponent
-    assert float(np.sum((counts[:50][cells] - wrong) ** 2 / wrong)) > crit
+    assert_frequencies_match(np.asarray(draws(st, jax.random.key(1))), pr)  # 50k samples
     # the distribution it draws from, and the importance weights of a draw, as the XLA path's
     np.testing.assert_allclose(np.asarray(R.sampling_probabilities(st, 0.6, impl="pallas")),
                                np.asarray(R.sampling_probabilities(st, 0.6)), rtol=1e-5,

@@ -46,12 +46,17 @@ def _draw_many(state: R.ReplayState, key: jax.Array) -> jax.Array:
     return jax.vmap(lambda k: R.sample(state, k, 1000, 0.6, 0.4).indices)(keys).reshape(-1)
 
 
-def test_sampling_frequencies_match_priorities_chi_square():
+def chi_square_case() -> tuple[np.ndarray, R.ReplayState]:
+    """50 filled slots of 64, two of them of priority 0."""
     rng = np.random.default_rng(0)
     pr = rng.uniform(0.01, 5.0, size=50)
     pr[[7, 31]] = 0.0  # zero priority: never sampled
-    st = _filled(64, pr)  # 14 unfilled slots: never sampled
-    idx = np.asarray(_draw_many(st, jax.random.key(1)))  # 200k samples
+    return pr, _filled(64, pr)  # 14 unfilled slots: never sampled
+
+
+def assert_frequencies_match(idx: np.ndarray, pr: np.ndarray) -> None:
+    """Slots drawn from :func:`chi_square_case` (α = 0.6): never an unfilled or zero-priority
+    slot, and frequencies that pass a χ² test against ``p^α/Σp^α`` which α = 1 fails."""
     counts = np.bincount(idx, minlength=64)
     assert counts[50:].sum() == 0 and counts[7] == 0 and counts[31] == 0
     expected = _exact_probs(pr, 0.6) * idx.size
@@ -63,6 +68,11 @@ def test_sampling_frequencies_match_priorities_chi_square():
     # The same test rejects the wrong exponent (α = 1 frequencies against α = 0.6 draws).
     wrong = _exact_probs(pr, 1.0)[cells] * idx.size
     assert float(np.sum((counts[:50][cells] - wrong) ** 2 / wrong)) > crit
+
+
+def test_sampling_frequencies_match_priorities_chi_square():
+    pr, st = chi_square_case()
+    assert_frequencies_match(np.asarray(_draw_many(st, jax.random.key(1))), pr)  # 200k samples
 
 
 def test_a_million_priority_updates_leave_no_drift():
