@@ -42,13 +42,6 @@ Array = jax.Array
 WARPS = 4
 
 
-def blocks(capacity: int) -> tuple[int, int]:
-    """``(G, S)``: the replay's block count and power-of-two block size (``per._blocks``)."""
-    from jdqn.replay.per import _blocks
-
-    return _blocks(capacity)
-
-
 def reference(priorities: Array, size: Array, alpha: float | Array) -> Array:
     """The block cumulative sums ``[G, S]`` as :func:`jdqn.replay.per.sample` computes them in
     XLA."""
@@ -87,8 +80,9 @@ def block_cumsums(priorities: Array, size: Array, alpha: float | Array,
     """``(local [G, S], max p)``: the block cumulative sums of the sampling masses over the
     first ``size`` slots of ``priorities [C]`` (float32), and the normaliser they used.
     ``interpret=True`` runs the kernel in Pallas' interpreter (CPU tests)."""
-    c = priorities.shape[0]
-    g, s = blocks(c)
+    from jdqn.replay.per import _blocks  # (G, S): the replay's two-level layout
+
+    g, s = _blocks(priorities.shape[0])
     p = priorities.astype(jnp.float32)
     size = jnp.asarray(size, jnp.int32)
     pmax = max_priority(p, size)
