@@ -68,24 +68,18 @@ def _kernel(p_ref, prm_ref, n_ref, out_ref, *, s: int):
     out_ref[...] = jnp.where(filled, c, end)
 
 
-def max_priority(priorities: Array, size: Array) -> Array:
-    """``max p`` over the filled slots, negatives as 0 (the masses' normaliser)."""
-    filled = jnp.arange(priorities.shape[0]) < size
-    return jnp.max(jnp.where(filled, jnp.maximum(priorities, 0.0), 0.0))
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "warps"))
 def block_cumsums(priorities: Array, size: Array, alpha: float | Array,
                   interpret: bool = False, warps: int = WARPS) -> tuple[Array, Array]:
     """``(local [G, S], max p)``: the block cumulative sums of the sampling masses over the
     first ``size`` slots of ``priorities [C]`` (float32), and the normaliser they used.
     ``interpret=True`` runs the kernel in Pallas' interpreter (CPU tests)."""
-    from jdqn.replay.per import _blocks  # (G, S): the replay's two-level layout
+    from jdqn.replay.per import _blocks, clamped  # (G, S): the replay's two-level layout
 
     g, s = _blocks(priorities.shape[0])
     p = priorities.astype(jnp.float32)
     size = jnp.asarray(size, jnp.int32)
-    pmax = max_priority(p, size)
+    pmax = jnp.max(clamped(p, jnp.arange(p.shape[0]) < size))  # the masses' normaliser
     prm = jnp.stack([pmax, jnp.asarray(alpha, jnp.float32)])
     local = pl.pallas_call(
         functools.partial(_kernel, s=s),

@@ -132,8 +132,13 @@ def _masses(state: ReplayState, alpha: float | jax.Array) -> jax.Array:
     the filled slots of positive priority).
     """
     filled = jnp.arange(state.capacity) < state.size
-    p = jnp.where(filled, jnp.maximum(state.priorities, 0.0), 0.0)
+    p = clamped(state.priorities, filled)
     return _mass(p, filled, jnp.max(p), alpha)
+
+
+def clamped(priorities: jax.Array, filled: jax.Array) -> jax.Array:
+    """The priorities the masses read: negatives as 0, 0 where not ``filled``."""
+    return jnp.where(filled, jnp.maximum(priorities, 0.0), 0.0)
 
 
 def _mass(p: jax.Array, filled: jax.Array, pmax: jax.Array,
@@ -162,8 +167,7 @@ def _sums(state: ReplayState, alpha: float | jax.Array,
 
         def mass_at(idx: jax.Array) -> jax.Array:
             filled = idx < state.size
-            p = jnp.where(filled, jnp.maximum(state.priorities[idx], 0.0), 0.0)
-            return _mass(p, filled, pmax, alpha)
+            return _mass(clamped(state.priorities[idx], filled), filled, pmax, alpha)
 
         return local, jnp.cumsum(local[:, -1]), mass_at
     q = _masses(state, alpha)
