@@ -346,7 +346,8 @@ def bench_grn_tail_grad(b: int, reps: int, tiles: list[tuple[int, int]], h: int 
 
 
 def bench_iqn_tail(b: int, reps: int, tiles: list[tuple[int, ...]], grad: bool, q: int = 8,
-                   f: int = 128, o: int = 14, interpret: bool = False) -> dict:
+                   f: int = 128, o: int = 14, interpret: bool = False,
+                   dtype: str = "float32") -> dict:
     """The IQN head's output stage (``jdqn.pallas.iqn_tail``) at the update's shape, rows
     ``b · q`` of ``f`` hidden features and ``o`` outputs. Forward (``grad=False``; tiles
     rows/warps): XLA's kernels for the reference against the kernel, the bias ``b1`` first
@@ -354,12 +355,14 @@ def bench_iqn_tail(b: int, reps: int, tiles: list[tuple[int, ...]], grad: bool, 
     rows/steps/warps): the gradients of ``Σ out · ct`` for pre, b1, W2 and b2 — XLA's autodiff
     of the reference (its forward residuals included, as in the update) against the backward
     kernel — the cotangent first. The largest relative difference and a bitwise repeat.
-    ``interpret``: the kernel rows in Pallas' interpreter (off the GPU; for tests)."""
+    ``interpret``: the kernel rows in Pallas' interpreter (off the GPU; for tests).
+    ``dtype``: ``pre``'s (``"bfloat16"``: the stage under bf16 matmuls, as the reference and
+    the kernel compute it for a bf16 ``pre``)."""
     from jdqn.pallas import iqn_tail
 
     m = b * q
     ks = jax.random.split(jax.random.key(0), 5)
-    pre = jax.random.normal(ks[0], (m, f))
+    pre = jax.random.normal(ks[0], (m, f)).astype(dtype)
     b1 = 0.1 * jax.random.normal(ks[1], (f,))
     w2 = jax.random.normal(ks[2], (f, o)) / np.sqrt(f)
     b2 = 0.1 * jax.random.normal(ks[3], (o,))
@@ -390,12 +393,12 @@ def bench_iqn_tail(b: int, reps: int, tiles: list[tuple[int, ...]], grad: bool, 
     ref = [np.asarray(g) for g in jax.jit(fns["xla_reference"])(*args)]
 
     def compare(a, a2):
-        rel = [float(np.max(np.abs(np.asarray(x) - y)) / np.max(np.abs(y)))
-               for x, y in zip(a, ref)]
+        rel = [float(np.max(np.abs(np.asarray(x, np.float32) - y.astype(np.float32)))
+                     / np.max(np.abs(y.astype(np.float32)))) for x, y in zip(a, ref)]
         return {"max_rel_diff": dict(zip(names, rel)),
                 "bitwise_repeat": all(bool(np.array_equal(x, y)) for x, y in zip(a, a2))}
 
-    return {"rows": m, "hidden": f, "outputs": o, "interpret": interpret,
+    return {"rows": m, "hidden": f, "outputs": o, "dtype": dtype, "interpret": interpret,
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
@@ -579,7 +582,8 @@ def main() -> None:
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="--kernel reduce: the summed array's dtype")
+                    help="--kernel reduce: the summed array's dtype; --kernel iqn_tail(_grad): "
+                         "the hidden layer's pre-activation's (bf16 matmuls)")
     ap.add_argument("--interpret", action="store_true",
                     help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad) / "
                          "moe_gate_grad: run the kernel in Pallas' interpreter (tests)")
@@ -620,7 +624,8 @@ def main() -> None:
         tiles = args.iqn_tail_grad_tiles if grad else args.iqn_tail_tiles
         print(json.dumps({"bench": "kernels", "kernel": args.kernel,
                           **bench_iqn_tail(b, args.reps, _tiles(tiles), grad,
-                                           interpret=args.interpret), **meta}))
+                                           interpret=args.interpret, dtype=args.dtype),
+                          **meta}))
         return
     if args.kernel == "moe_gate_grad":
         print(json.dumps({"bench": "kernels", "kernel": "moe_gate_grad",

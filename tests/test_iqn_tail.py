@@ -110,26 +110,57 @@ def test_iqn_tail_rows_are_independent():
     np.testing.assert_array_equal(np.delete(base, 17, 0), np.delete(moved, 17, 0))
 
 
+@pytest.mark.parametrize("shape", [(37, 128, 14), (64, 20, 3)])
+def test_iqn_tail_bf16_follows_the_bf16_matmul_path(shape):
+    """A bf16 ``pre`` (bf16 matmuls): the values are the bf16 path's (the bias added in float32
+    and rounded once, a bf16 × bf16 product accumulated in float32) — the XLA reference's to
+    float32 rounding — and the gradients the float64 oracle's to bf16 rounding (``d pre`` is
+    bf16, rounded once; the bias and weight gradients float32), each at least as close to it
+    as XLA's own gradient of the reference (the kernel sums ``db1`` and ``dW2`` from float32
+    terms, XLA from bf16-rounded ones); padded F and O too."""
+    pre, b1, w2, b2 = _args(*shape)
+    args = (pre.astype(jnp.bfloat16), b1, w2, b2)
+    ct = jax.random.normal(jax.random.key(7), (shape[0], shape[2]))
+    out = iqn_tail.iqn_tail(*args, interpret=True)
+    ref = iqn_tail.reference(*args)
+    assert out.dtype == ref.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0,
+                               atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    # The oracle reads the operands the products read: pre as given, W2 rounded to bf16.
+    _, want = _f64((args[0].astype(jnp.float32), b1,
+                    w2.astype(jnp.bfloat16).astype(jnp.float32), b2), ct)
+    got = _grads(args, ct)
+    assert got[0].dtype == jnp.bfloat16 and all(g.dtype == jnp.float32 for g in got[1:])
+    xla = jax.vjp(iqn_tail.reference, *args)[1](ct)
+    assert_grads_close(got, want, NAMES, rel=1e-2)
+    for name, k, x, w in zip(NAMES, got, xla, want, strict=True):
+        err = [float(np.max(np.abs(np.asarray(a, np.float64) - w))) for a in (k, x)]
+        assert err[0] <= 1.05 * err[1] + 1e-6 * np.abs(w).max(), (name, err)
+
+
 def test_iqn_tail_refuses_other_dtypes_and_ranks():
     pre, b1, w2, b2 = _args(8)
-    with pytest.raises(TypeError, match="float32 matrix"):
-        iqn_tail.iqn_tail(pre.astype(jnp.bfloat16), b1, w2, b2, interpret=True)
-    with pytest.raises(TypeError, match="float32 matrix"):
+    with pytest.raises(TypeError, match="float32 or bfloat16 matrix"):
+        iqn_tail.iqn_tail(pre.astype(jnp.float16), b1, w2, b2, interpret=True)
+    with pytest.raises(TypeError, match="float32 or bfloat16 matrix"):
         iqn_tail.iqn_tail(pre[None], b1, w2, b2, interpret=True)
-    with pytest.raises(TypeError, match="float32 matrix"):  # also where it is differentiated
+    with pytest.raises(TypeError, match="float32 or bfloat16 matrix"):  # differentiated too
         jax.grad(lambda p: jnp.sum(iqn_tail.iqn_tail(p, b1, w2, b2, interpret=True)))(
             pre.astype(jnp.float16))
 
 
 @pytest.mark.parametrize(("keys", "matmul_dtype"), [
     (("iqn_tail", "iqn_tail_grad"), "float32"), (("iqn_tail_grad",), "float32"),
-    (("iqn_tail",), "float32"), (("iqn_tail", "iqn_tail_grad"), "bfloat16")])
+    (("iqn_tail",), "float32"), (("iqn_tail", "iqn_tail_grad"), "bfloat16"),
+    (("iqn_tail_bf16", "iqn_tail_grad_bf16"), "bfloat16"), (("iqn_tail_grad_bf16",), "bfloat16"),
+    (("iqn_tail_bf16", "iqn_tail_grad_bf16"), "float32")])
 def test_network_runs_the_iqn_tail_kernels_where_its_switches_say(monkeypatch, keys,
                                                                   matmul_dtype):
     """Under float32 matmuls ``"iqn_tail_grad"`` puts the online head at s (differentiated)
     through the forward and backward kernels and ``"iqn_tail"`` the target network's head at s′
-    (grad-free) through the forward kernel; under bf16 matmuls neither. Either way the loss and
-    its gradient are the XLA network's to rounding."""
+    (grad-free) through the forward kernel; under bf16 matmuls the switches are
+    ``"iqn_tail_grad_bf16"`` and ``"iqn_tail_bf16"``, and neither dtype takes the other's.
+    Either way the loss and its gradient are the XLA network's to rounding."""
     import jdqn.pallas as pallas_module
     from jdqn.losses import total as total_module
     from jdqn.networks import heads as heads_module
@@ -146,10 +177,9 @@ def test_network_runs_the_iqn_tail_kernels_where_its_switches_say(monkeypatch, k
         matmul_dtype=matmul_dtype))
     names = [n for n in pallas_kernel_names(jax.make_jaxpr(jax.grad(
         lambda p: loss(p)[0]))(params).jaxpr) if n.startswith("iqn_tail")]
-    want_names = []
-    if matmul_dtype == "float32":
-        want_names = (["iqn_tail"] * (("iqn_tail_grad" in keys) + ("iqn_tail" in keys))
-                      + ["iqn_tail_bwd"] * ("iqn_tail_grad" in keys))
+    suffix = "" if matmul_dtype == "float32" else "_bf16"
+    grad, free = f"iqn_tail_grad{suffix}" in keys, f"iqn_tail{suffix}" in keys
+    want_names = ["iqn_tail"] * (grad + free) + ["iqn_tail_bwd"] * grad
     assert sorted(names) == sorted(want_names), names
     assert_loss_and_grads_close(loss, xla_loss, params,
                                 1e-5 if matmul_dtype == "float32" else 3e-2)

@@ -326,12 +326,13 @@ def iqn_features_shared(h: Array, taus: Array, we: Array, be: Array, w1: Array, 
     weight gradient becomes an ``[H + 8, Q·F]`` product). The same function to rounding
     (tested, values and gradients).
 
-    ``tail_kernel`` (float32 matmuls): the hidden bias, ReLU and output layer after the first
-    product run as one Pallas kernel, differentiated by a second (:mod:`jdqn.pallas.iqn_tail`);
-    it takes the hidden bias itself, so ``bias_in_product`` is then ignored."""
+    ``tail_kernel``: the hidden bias, ReLU and output layer after the first product run as one
+    Pallas kernel, differentiated by a second (:mod:`jdqn.pallas.iqn_tail`; float32 matmuls,
+    or bf16 ones with the same rounding points); it takes the hidden bias itself, so
+    ``bias_in_product`` is then ignored."""
     md = matmul_dtype
     wide = wide_dtype(md, h)
-    tail_kernel = tail_kernel and md == "float32" and h.dtype == jnp.float32
+    tail_kernel = tail_kernel and (h.dtype == jnp.float32 or md == "bfloat16")
     groups, n_q = (1, taus.shape[0]) if taus.ndim == 1 else taus.shape
     b, width, f = h.shape[0], h.shape[-1], w1.shape[1]
     if b % groups:
@@ -384,7 +385,7 @@ class IQNHead(nn.Module):
     gradient is taken (the target network's quantiles at s′); the result is the same function
     either way. ``bias_in_product`` (shared fractions): the hidden layer's bias inside the first
     product (:func:`iqn_features_shared`), asked for where no gradient is taken.
-    ``tail_kernel`` (shared fractions, float32): the hidden bias, ReLU and output layer as
+    ``tail_kernel`` (shared fractions): the hidden bias, ReLU and output layer as
     :mod:`jdqn.pallas.iqn_tail`'s kernels (forward and backward).
     """
 
@@ -396,7 +397,7 @@ class IQNHead(nn.Module):
     modulation_kernel: bool = False  # see iqn_features
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
     bias_in_product: bool = False  # shared fractions: b1 inside the first product (grad-free)
-    tail_kernel: bool = False  # shared fractions: jdqn.pallas.iqn_tail's kernels (float32)
+    tail_kernel: bool = False  # shared fractions: jdqn.pallas.iqn_tail's kernels
 
     @nn.compact
     def __call__(self, h: Array, taus: Array) -> tuple[Array, ...]:

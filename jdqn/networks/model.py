@@ -57,10 +57,11 @@ class NetOutput(NamedTuple):
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
     """The IQN head of ``c``. Where no gradient is taken: its fused kernel if ``c.impl`` says so,
     and the hidden layer's bias inside the first product (:func:`iqn_features_shared`). The
-    output stage's kernels (:mod:`jdqn.pallas.iqn_tail`, float32 matmuls) under ``"iqn_tail"``
-    where no gradient is taken and ``"iqn_tail_grad"`` where one is."""
-    tail = c.matmul_dtype == "float32" and use_pallas(
-        c.impl, "iqn_tail" if grad_free else "iqn_tail_grad")
+    output stage's kernels (:mod:`jdqn.pallas.iqn_tail`) under ``"iqn_tail"`` where no
+    gradient is taken and ``"iqn_tail_grad"`` where one is; under bf16 matmuls the switches
+    are ``"iqn_tail_bf16"`` and ``"iqn_tail_grad_bf16"`` (measured apart on the GPU)."""
+    kernel = "iqn_tail" if grad_free else "iqn_tail_grad"
+    tail = use_pallas(c.impl, kernel if c.matmul_dtype == "float32" else f"{kernel}_bf16")
     return IQNHead(tuple(c.branch_sizes), c.iqn_embed, c.head_hidden, c.matmul_dtype,
                    grad_free and use_pallas(c.impl, "iqn"),
                    use_pallas(c.impl, "iqn_modulation"), c.impl, bias_in_product=grad_free,
