@@ -86,9 +86,10 @@ def reference(pre: Array, b1: Array, w2: Array, b2: Array) -> Array:
     computes it: pre [M, F], b1 [F], w2 [F, O], b2 [O] → [M, O] float32. A float32 ``pre``
     is the float32-matmul path; a bf16 ``pre`` the bf16 one (the bias added in float32 and
     rounded to bf16, a bf16 × bf16 product accumulated in float32)."""
-    if pre.dtype == jnp.bfloat16:
-        hid = jax.nn.relu((pre.astype(jnp.float32) + b1.astype(jnp.float32)).astype(pre.dtype))
-        return jnp.dot(hid, w2.astype(pre.dtype), preferred_element_type=jnp.float32) + b2
+    if pre.dtype == jnp.bfloat16:  # the network's own bf16 operations
+        from jdqn.networks.trunk import add_bias_values, matmul
+
+        return matmul(jax.nn.relu(add_bias_values(pre, b1)), w2, "bfloat16") + b2
     return jnp.dot(jax.nn.relu(pre + b1), w2) + b2
 
 
