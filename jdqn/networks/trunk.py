@@ -142,7 +142,8 @@ class GRNBlock(nn.Module):
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
     # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"); with a
-    # gradient, under "grn_tail_grad" and float32 matmuls, the kernel and its backward kernel
+    # gradient, the kernel and its backward kernel under "grn_tail_grad" (float32 matmuls) or
+    # "grn_tail_grad_bf16" (bf16 matmuls), switches measured apart
     grad_free: bool = False
 
     @nn.compact
@@ -155,9 +156,12 @@ class GRNBlock(nn.Module):
         w = jnp.dot(w1, w45, precision=hi)  # [H, 2H]
         b = jnp.dot(b1, w45, precision=hi) + b45
         product = matmul(eta2, w, md, act_dtype(md, eta2))
-        # with a gradient, float32 only: under bf16 matmuls the backward kernel measured slower
-        # than XLA's (train_h200_bf16_grn_tail_grad_ab.json)
-        with_grad = md == "float32" and use_pallas(impl, "grn_tail_grad")
+        # with a gradient, a switch per matmul dtype: under bf16 the backward kernel measured
+        # slower than XLA's while XLA's DotMerger joined the forwards at s and s′
+        # (train_h200_bf16_grn_tail_grad_ab.json), faster without it
+        # (train_h200_bf16_grn_tail_grad_ab2.json)
+        with_grad = use_pallas(impl, "grn_tail_grad" if md == "float32"
+                               else "grn_tail_grad_bf16")
         if use_pallas(impl, "grn_tail") and (self.grad_free or with_grad):
             from jdqn.pallas import grn_tail
 

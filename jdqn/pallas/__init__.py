@@ -42,8 +42,10 @@ Kernels in this version:
   sessions), 1.779–1.790 against 1.807–1.814 ms (bf16). Its gradient is a backward kernel
   (``"grn_tail_grad"``: the tail in the differentiated forward at s, float32 matmuls): the
   update 2.556–2.563 against 2.589–2.602 ms (2.587–2.599 against 2.613–2.622 in another
-  session with an earlier version); under bf16 slower (1.752–1.757 against 1.743–1.747), so
-  bf16 keeps XLA's tail there.
+  session with an earlier version). Under bf16 matmuls (``"grn_tail_grad_bf16"``) it measured
+  slower (1.752–1.757 against 1.743–1.747) while XLA's DotMerger joined the forwards at s and
+  s′, and faster once the training programs compiled without it: 1.602–1.603 against
+  1.614–1.618 ms over four alternated rounds.
 
 * :func:`jdqn.pallas.double_q.double_q_next` — the double-Q selection at s′ (the online
   expected Q, its argmax per branch, the target's softmax at it) from the C51 heads'
@@ -99,12 +101,13 @@ Array = jax.Array
 # train_h200_f32_iqn_tail_ab*.json, the MoE gated hidden layer's gradient,
 # train_h200_f32_moe_gate_*ab*.json, the replay's block cumulative sums,
 # train_h200_f32_per_sums_ab*.json, and under bf16 matmuls the IQN output stage in both
-# heads, train_h200_bf16_iqn_tail_ab*.json). Not listed, measured slower in the update:
+# heads, train_h200_bf16_iqn_tail_ab*.json, and the GRN tail's backward kernel,
+# train_h200_bf16_grn_tail_grad_ab2.json). Not listed, measured slower in the update:
 # "c51_loss", "iqn", "moe", "reductions", "iqn_tail" (the target's grad-free IQN head under
 # float32 matmuls, where its bias rides in the first product); no faster: "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
                            "iqn_tail_grad", "moe_gate_grad", "per_sums", "iqn_tail_bf16",
-                           "iqn_tail_grad_bf16"})
+                           "iqn_tail_grad_bf16", "grn_tail_grad_bf16"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:
