@@ -45,7 +45,7 @@ process less (``XLA_CLIENT_MEM_FRACTION``) or use ``"xla"``. The options are per
 wins over ours. On the CPU there are no command buffers and no options are passed.
 
 Whatever the setting, a training program on the GPU is also compiled without XLA's DotMerger
-(:data:`GPU_OPTIONS`: measured faster, bf16 by 2.5 %), so ``"xla"`` means XLA's graphs, not
+(:data:`GPU_OPTIONS`: measured faster, bf16 by 3.5 %), so ``"xla"`` means XLA's graphs, not
 every XLA default.
 """
 
@@ -74,7 +74,9 @@ CONCURRENT_GRAPHS: dict[str, str] = {
 # Pallas kernels (GRN tails, the double-Q selection), which take whole buffers, so XLA copied
 # each slice (seven copies, 43 µs per update at B = 16384). Without the merger the update took
 # 1.623–1.644 ms against 1.680–1.682 (bf16) and 2.455–2.460 against 2.462–2.473 (float32) on the
-# H200 (bench/results/train_h200_{bf16,f32}_dot_merger_ab.json).
+# H200 with the flag in XLA_FLAGS (bench/results/train_h200_{bf16,f32}_dot_merger_ab.json), and
+# as this option 1.635–1.642 against 1.694–1.701 (bf16), 2.498–2.512 against 2.507–2.514
+# (float32) (…_ab2.json).
 GPU_OPTIONS: dict[str, str] = {"xla_gpu_dot_merger_threshold_mb": "0"}
 
 SETTINGS = ("auto", "concurrent", "xla")
