@@ -126,14 +126,14 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     from jdqn import pallas
 
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
-    faster = ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail_grad",
-              "moe_gate_grad", "per_sums", "iqn_tail_bf16", "iqn_tail_grad_bf16",
-              "grn_tail_grad_bf16")
+    faster = ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail",
+              "iqn_tail_grad", "moe_gate_grad", "per_sums", "iqn_tail_bf16",
+              "iqn_tail_grad_bf16", "grn_tail_grad_bf16")
     assert pallas.GPU_VALIDATED == frozenset(faster)
     for kernel in faster:
         assert pallas.use_pallas("auto", kernel)
     # measured on the H200: slower than XLA there
-    for slower in ("c51_loss", "iqn", "moe", "reductions", "iqn_tail"):
+    for slower in ("c51_loss", "iqn", "moe", "reductions"):
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")

@@ -61,7 +61,10 @@ Kernels in this version:
   The oracle is :func:`jdqn.pallas.iqn_tail.reference`. Measured on the H200: forward 46 vs
   68 µs, backward 115–120 vs 154–158 µs alone; in the online head at s (``"iqn_tail_grad"``)
   the update 2.532–2.534 against 2.576–2.589 ms float32; in the target's grad-free head as
-  well (``"iqn_tail"``) slower than the online head alone (2.556–2.566 against 2.550–2.553).
+  well (``"iqn_tail"``, in place of its hidden bias riding in the first product) slower than
+  the online head alone when first measured (2.556–2.566 against 2.550–2.553), faster when
+  re-measured against the code of the seventh session of 2026-12-03: 2.466–2.472 against
+  2.477–2.485 ms over six alternated rounds in two calls.
   Under bf16 matmuls (``"iqn_tail_grad_bf16"``, ``"iqn_tail_bf16"``: bf16 ``pre``, the bf16
   path's rounding points) in both heads: 1.688–1.703 against 1.733–1.738 ms.
 
@@ -98,16 +101,16 @@ Array = jax.Array
 # GRN tail in grad-free forwards, train_h200_f32_grn_tail_ab*.json, its backward kernel in the
 # differentiated forward, train_h200_f32_grn_tail_grad*_ab.json, the double-Q selection at s′,
 # train_h200_*_double_q_*ab*.json, the IQN output stage in the online head at s,
-# train_h200_f32_iqn_tail_ab*.json, the MoE gated hidden layer's gradient,
+# train_h200_f32_iqn_tail_ab*.json, and in the target's head at s′,
+# train_h200_f32_iqn_tail_target_ab*.json, the MoE gated hidden layer's gradient,
 # train_h200_f32_moe_gate_*ab*.json, the replay's block cumulative sums,
 # train_h200_f32_per_sums_ab*.json, and under bf16 matmuls the IQN output stage in both
 # heads, train_h200_bf16_iqn_tail_ab*.json, and the GRN tail's backward kernel,
 # train_h200_bf16_grn_tail_grad_ab2.json). Not listed, measured slower in the update:
-# "c51_loss", "iqn", "moe", "reductions", "iqn_tail" (the target's grad-free IQN head under
-# float32 matmuls, where its bias rides in the first product); no faster: "iqn_modulation".
+# "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
-                           "iqn_tail_grad", "moe_gate_grad", "per_sums", "iqn_tail_bf16",
-                           "iqn_tail_grad_bf16", "grn_tail_grad_bf16"})
+                           "iqn_tail", "iqn_tail_grad", "moe_gate_grad", "per_sums",
+                           "iqn_tail_bf16", "iqn_tail_grad_bf16", "grn_tail_grad_bf16"})
 
 
 def use_pallas(impl: str, kernel: str = "projection") -> bool:
