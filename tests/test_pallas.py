@@ -91,35 +91,50 @@ def _logits(b, d, z, seed):
     return taken, nxt
 
 
-@pytest.mark.parametrize("b,d,z", [(1, 1, 2), (45, 4, 51), (9, 3, 21), (33, 2, 101)])
-@pytest.mark.parametrize("case", ["random", "far_outside", "done", "on_atoms"])
-def test_c51_loss_kernel_matches_reference_values_and_gradients(b, d, z, case):
+@functools.cache
+def _c51_terms_and_grad(impl: str):
+    """Jitted ``(taken, nxt, tz, cot) -> (terms, d weighted / d taken)`` for the kernel
+    (interpreted) or its plain-JAX reference, so each shape compiles once for every case."""
     from jdqn.pallas.c51_loss import c51_terms_pallas, c51_terms_reference
 
     v_min, v_max = -25.0, 10.0
-    tz, _ = _inputs(b, d, z, v_min, v_max, case, seed=b * 5 + z)
-    taken, nxt = _logits(b, d, z, seed=b + z)
-    cot = np.random.default_rng(b).normal(size=(3, b, d)).astype(np.float32)
 
-    def weighted(f, t):
-        return sum(jnp.sum(c * o) for c, o in zip(cot, f(t), strict=True))
+    @jax.jit
+    def run(taken, nxt, tz, cot):
+        if impl == "pallas":
+            f = functools.partial(c51_terms_pallas, nxt=nxt, tz=tz, v_min=v_min, v_max=v_max,
+                                  interpret=True)
+        else:
+            f = functools.partial(c51_terms_reference, nxt=nxt, tz=tz, v_min=v_min,
+                                  v_max=v_max)
 
-    kern = functools.partial(c51_terms_pallas, nxt=jnp.asarray(nxt), tz=jnp.asarray(tz),
-                             v_min=v_min, v_max=v_max, interpret=True)
-    got = [np.asarray(x) for x in kern(jnp.asarray(taken))]
-    g_got = np.asarray(jax.grad(lambda t: weighted(kern, t))(jnp.asarray(taken)))
-    with x64():  # the oracle in float64 on the same (float32) inputs
-        ref = functools.partial(c51_terms_reference, nxt=jnp.asarray(nxt, jnp.float64),
-                                tz=jnp.asarray(tz, jnp.float64), v_min=v_min, v_max=v_max)
-        t64 = jnp.asarray(taken, jnp.float64)
-        want = [np.asarray(x) for x in ref(t64)]
-        g_want = np.asarray(jax.grad(lambda t: weighted(ref, t))(t64))
-    for name, g, w in zip(("sq", "ce", "tm"), got, want, strict=True):
-        assert g.shape == (b, d) and g.dtype == np.float32, name
-        scale = 1.0 + np.abs(w)
-        np.testing.assert_array_less(np.abs(g - w) / scale, 2e-5, err_msg=name)
-    scale = 1.0 + np.max(np.abs(g_want))
-    np.testing.assert_array_less(np.abs(g_got - g_want) / scale, 2e-5)
+        def weighted(t):
+            return sum(jnp.sum(c * o) for c, o in zip(cot, f(t), strict=True))
+
+        return f(taken), jax.grad(weighted)(taken)
+
+    return run
+
+
+@pytest.mark.parametrize("b,d,z", [(1, 1, 2), (45, 4, 51), (9, 3, 21), (33, 2, 101)])
+def test_c51_loss_kernel_matches_reference_values_and_gradients(b, d, z):
+    """Each target case (the per-shape programs compile once; the cases are data)."""
+    for case in ("random", "far_outside", "done", "on_atoms"):
+        tz, _ = _inputs(b, d, z, -25.0, 10.0, case, seed=b * 5 + z)
+        taken, nxt = _logits(b, d, z, seed=b + z)
+        cot = np.random.default_rng(b).normal(size=(3, b, d)).astype(np.float32)
+        terms, g_got = _c51_terms_and_grad("pallas")(taken, nxt, tz, cot)
+        got, g_got = [np.asarray(x) for x in terms], np.asarray(g_got)
+        with x64():  # the oracle in float64 on the same (float32) inputs
+            terms, g_want = _c51_terms_and_grad("reference")(
+                *(jnp.asarray(a, jnp.float64) for a in (taken, nxt, tz, cot)))
+            want, g_want = [np.asarray(x) for x in terms], np.asarray(g_want)
+        for name, g, w in zip(("sq", "ce", "tm"), got, want, strict=True):
+            assert g.shape == (b, d) and g.dtype == np.float32, (case, name)
+            scale = 1.0 + np.abs(w)
+            np.testing.assert_array_less(np.abs(g - w) / scale, 2e-5, err_msg=f"{case} {name}")
+        scale = 1.0 + np.max(np.abs(g_want))
+        np.testing.assert_array_less(np.abs(g_got - g_want) / scale, 2e-5, err_msg=case)
 
 
 def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
