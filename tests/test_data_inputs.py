@@ -49,6 +49,54 @@ def test_naive_stamps_are_in_the_configured_zone(tmp_path: Path) -> None:
     assert b.ts[0] == UTC_1430
 
 
+def test_stamps_with_offsets_across_a_dst_change_read_by_their_offsets(tmp_path: Path) -> None:
+    """Every stamp carries its own offset (CST, then CDT after the change): each is read by it."""
+    text = ("timestamp,price,size\n2024-03-08 08:30:10-06:00,100,1\n"
+            "2024-03-11 09:30:10-05:00,100,1\n")
+    b = load_bars(DataConfig(source="ticks", path=_csv(tmp_path, text), bar_size="1min",
+                             timezone="America/Chicago"))
+    want = [pd.Timestamp(f"2024-03-{d} 14:31:00", tz="UTC").value for d in ("08", "11")]
+    np.testing.assert_array_equal(b.ts, want)
+
+
+@pytest.mark.parametrize("order", ["naive_first", "offset_first"])
+def test_naive_stamps_beside_offset_stamps_are_refused_naming_both(tmp_path: Path,
+                                                                   order: str) -> None:
+    """pandas would read the naive stamps as UTC beside the offset ones (not in
+    data.timezone): six hours off for Chicago, silently. Refused instead."""
+    rows = [f"2024-01-02 08:{m:02d}:30,100,1" for m in range(5)]
+    aware = "2024-01-02 08:05:30-06:00,100,1"
+    rows = rows + [aware] if order == "naive_first" else [aware] + rows
+    path = _csv(tmp_path, "timestamp,price,size\n" + "\n".join(rows) + "\n", "mixed.csv")
+    with pytest.raises(DataError, match=r"mixed\.csv: row \d.*'2024-01-02 08:0\d:30' has no "
+                                        r"UTC offset but row \d \('2024-01-02 08:05:30-06:00'\)"):
+        load_bars(DataConfig(source="ticks", path=path, timezone="America/Chicago"))
+
+
+@pytest.mark.parametrize("fmt,unit", [("unix_ns", 1), ("unix_us", 1_000), ("unix_s", NS)])
+def test_unix_stamps_stored_as_text_are_exact(tmp_path: Path, fmt: str, unit: int) -> None:
+    """A text (Parquet string) column of unix stamps is read as integers, not through float64
+    (which keeps 256 ns at today's epochs): ticks 1 ns either side of a bar edge stay in their
+    bars. Fractions of the unit are read digit by digit too."""
+    edge = UTC_1430 + 60 * NS  # 14:31:00
+    ts = np.array([UTC_1430 + 30 * NS, edge - 1, edge + 1, edge + 30 * NS], np.int64)
+    if fmt == "unix_ns":
+        text = [str(x) for x in ts]
+    elif fmt == "unix_us":
+        ts = ts // 1000 * 1000 + np.array([0, -1000, 1000, 0])  # 1 µs either side of the edge
+        text = [str(x // unit) for x in ts]
+    else:
+        text = [f"{x // NS}.{x % NS:09d}" for x in ts]
+    path = tmp_path / "unix.parquet"
+    pq.write_table(pa.table({"timestamp": text, "price": [100.0, 100.25, 100.5, 100.75],
+                             "size": [1.0, 2.0, 3.0, 4.0]}), path)
+    b = load_bars(DataConfig(source="ticks", path=str(path), timestamp_format=fmt,
+                             bar_size="1min"))
+    np.testing.assert_array_equal(b.ts, [edge, edge + 60 * NS])
+    np.testing.assert_array_equal(b.volume, [3.0, 7.0])  # the tick after the edge: next bar
+    np.testing.assert_array_equal(b.close, [100.25, 100.75])
+
+
 def test_skip_rows_open_label_price_scale_and_flow_columns(tmp_path: Path) -> None:
     text = ("# junk\n"
             "time,open,high,low,close,volume,buys,sells\n"

@@ -16,7 +16,10 @@ is kept with a warning, since real books cross during pre-open and auctions.
 
 from __future__ import annotations
 
+import os
 import struct
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -69,9 +72,45 @@ def _schema_name(meta: object, path: Path) -> str:
     return name
 
 
+def _without_panic_noise(fn):
+    """``fn()`` with the process's file descriptor 2 captured: passed on if it returns,
+    dropped if it panics (Rust's panic hook writes its message, and with ``RUST_BACKTRACE`` a
+    backtrace, to descriptor 2, whatever ``sys.stderr`` is, before the exception reaches
+    Python; the error the user sees is our one line)."""
+    fd = 2
+    try:
+        sys.stderr.flush()
+        saved = os.dup(fd)
+    except OSError:  # no descriptor 2: nothing to hide
+        return fn()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        panicked = False
+        try:
+            return fn()
+        except BaseException as e:
+            panicked = type(e).__name__ == "PanicException"
+            raise
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            if not panicked:
+                tmp.seek(0)
+                noise = tmp.read()
+                if noise:
+                    os.write(fd, noise)
+
+
 def _decode_all(dec: dbn.DBNDecoder, path: Path) -> list:
-    """All records of a decoder that was given the whole input; a truncated input is an error."""
-    recs = dec.decode()
+    """All records of a decoder that was given the whole input; a truncated input is an error,
+    and so is one the decoder cannot read (it reports some malformed records, e.g. one shorter
+    than its header says, by a Rust panic rather than a ``DBNError``)."""
+    try:
+        recs = _without_panic_noise(dec.decode)
+    except BaseException as e:  # pyo3's PanicException derives from BaseException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise DataError(f"{path}: cannot decode DBN: {str(e).splitlines()[0]}") from None
     if not recs or not isinstance(recs[0], dbn.Metadata):
         raise DataError(f"{path}: truncated or corrupt DBN data (no metadata header decoded)")
     if len(dec.buffer()):
@@ -93,9 +132,7 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
             dec.write(raw)
             recs = _decode_all(dec, path)
             schema = _schema_name(recs[0], path)
-            dtype, rtypes = _SCHEMAS[schema]
-            body = b"".join(bytes(r) for r in recs[1:] if int(getattr(r, "rtype", -1)) in rtypes)
-            return schema, np.frombuffer(body, dtype=dtype)
+            return schema, _walked(recs, schema, bool(getattr(recs[0], "ts_out", False)), path)
         if raw[:3] != b"DBN" or len(raw) < 8:
             raise DataError(f"{path}: not a DBN file (no 'DBN' header, not zstd)")
         off = 8 + struct.unpack("<I", raw[4:8])[0]
@@ -106,12 +143,14 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
         raise DataError(f"{path}: cannot decode DBN: {e}") from None
     schema = _schema_name(meta, path)
     dtype, rtypes = _SCHEMAS[schema]
+    ts_out = bool(getattr(meta, "ts_out", False))
+    size = dtype.itemsize + (_TS_OUT_BYTES if ts_out else 0)
     body = raw[off:]
-    if body and len(body) % dtype.itemsize == 0:
-        rec = np.frombuffer(body, dtype=dtype)
-        if (rec["length"].astype(np.int64) * 4 == dtype.itemsize).all() and \
+    if body and len(body) % size == 0:
+        rec = np.frombuffer(body, dtype=_padded(dtype, size))
+        if (rec["length"].astype(np.int64) * 4 == size).all() and \
                 np.isin(rec["rtype"], rtypes).all():
-            return schema, rec
+            return schema, _without_ts_out(rec, dtype) if ts_out else rec
     # mixed record types or sizes (e.g. symbol mappings in a live stream): let databento_dbn
     # walk the records, keep those of the schema
     dec = dbn.DBNDecoder()
@@ -120,8 +159,47 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
         recs = _decode_all(dec, path)
     except dbn.DBNError as e:
         raise DataError(f"{path}: cannot decode DBN: {e}") from None
-    body = b"".join(bytes(r) for r in recs[1:] if int(getattr(r, "rtype", -1)) in rtypes)
-    return schema, np.frombuffer(body, dtype=dtype)
+    return schema, _walked(recs, schema, ts_out, path)
+
+
+# A file written with ``ts_out`` (a live gateway's send time, ``Metadata.ts_out``) carries 8
+# more bytes after every record; its ``length`` field counts them.
+_TS_OUT_BYTES = 8
+
+
+def _padded(dtype: np.dtype, size: int) -> np.dtype:
+    """``dtype``'s fields at their offsets in records of ``size`` bytes (the rest skipped)."""
+    if size == dtype.itemsize:
+        return dtype
+    names = list(dtype.names)
+    return np.dtype({"names": names, "formats": [dtype.fields[n][0] for n in names],
+                     "offsets": [dtype.fields[n][1] for n in names], "itemsize": size})
+
+
+def _walked(recs: list, schema: str, ts_out: bool, path: Path) -> np.ndarray:
+    """The decoded records of ``schema``'s record type as its structured array, each record's
+    ``ts_out`` suffix dropped; a record of another size is an error, not a misread."""
+    dtype, rtypes = _SCHEMAS[schema]
+    size = dtype.itemsize + (_TS_OUT_BYTES if ts_out else 0)
+    parts = []
+    for i, r in enumerate(recs[1:]):
+        if int(getattr(r, "rtype", -1)) not in rtypes:
+            continue
+        b = bytes(r)
+        if len(b) != size:
+            raise DataError(f"{path}: DBN record {i} ({type(r).__name__}) is {len(b)} bytes; "
+                            f"{schema} records are {size} bytes"
+                            + (" with ts_out" if ts_out else ""))
+        parts.append(b[:dtype.itemsize])
+    rec = np.frombuffer(b"".join(parts), dtype=dtype)
+    return _without_ts_out(rec, dtype) if ts_out else rec
+
+
+def _without_ts_out(rec: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The records in ``dtype``'s own layout, their ``length`` fields saying so."""
+    out = rec.astype(dtype)  # a copy: the fields only
+    out["length"] = dtype.itemsize // 4
+    return out
 
 
 def _one_instrument(rec: np.ndarray, cfg: DataConfig, path: Path) -> np.ndarray:

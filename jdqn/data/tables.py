@@ -229,6 +229,42 @@ def _localise(idx: pd.DatetimeIndex, tz: str, t: _Table, name: str) -> np.ndarra
     return idx.tz_convert("UTC").as_unit("ns").asi8.astype(np.int64)
 
 
+# An ISO-8601 time of day followed by a UTC offset ("Z", "+01", "-05:00", "+0530").
+_OFFSET_AFTER_TIME = r"\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?\s*(?:Z|[+-]\d{2}(?::?\d{2})?)$"
+
+
+def _refuse_naive_beside_offsets(s: pd.Series, t: _Table, name: str) -> None:
+    """A column mixing stamps with a UTC offset and naive ones is refused, naming one row of
+    each: pandas would read the naive ones as UTC, not in ``data.timezone``. (Stamps that all
+    carry offsets, which may differ across a DST change, are read by their offsets.)"""
+    text = s.fillna("").str.strip()
+    aware = text.str.contains(_OFFSET_AFTER_TIME, regex=True).to_numpy(dtype=bool)
+    naive = ~aware & (text != "").to_numpy(dtype=bool)
+    if aware.any() and naive.any():
+        i, j = int(np.flatnonzero(aware)[0]), int(np.flatnonzero(naive)[0])
+        raise DataError(f"{t.where(j, name)}: timestamp {str(text.iloc[j])!r} has no UTC offset "
+                        f"but row {i + 1} ({str(text.iloc[i])!r}) has one; store every stamp "
+                        "with its offset, or none (naive stamps are read in data.timezone)")
+
+
+def _decimal_text_ns(col: pa.ChunkedArray, unit_ns: int) -> np.ndarray | None:
+    """A text column of plain decimal numbers (``1704205860000000001``, ``1704205860.25``) in
+    units of ``unit_ns`` nanoseconds → int64 ns, exactly (float64 keeps only ~16 digits: 256 ns
+    at today's epochs in ns); digits below a nanosecond are dropped. None where a value is not
+    such a number (an exponent, say): the caller's float path reads it."""
+    parts = col.to_pandas().astype("string").str.strip().str.extract(
+        r"^([+-]?)(\d+)(?:\.(\d*))?$")
+    # (the caller has checked the values' range, 1900–2200, so the products fit in int64)
+    if parts[1].isna().any() or parts[1].str.len().max() > 19:
+        return None
+    frac_digits = len(str(unit_ns)) - 1  # 9 for seconds, 0 for nanoseconds
+    whole = parts[1].astype("int64").to_numpy()
+    frac = parts[2].fillna("").str.slice(0, frac_digits).str.pad(frac_digits, "right", "0")
+    frac_ns = frac.replace("", "0").astype("int64").to_numpy() if frac_digits else 0
+    sign = np.where((parts[0] == "-").to_numpy(), -1, 1)
+    return sign * (whole * unit_ns + frac_ns)
+
+
 def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
     """A timestamp column → int64 ns since epoch UTC.
 
@@ -255,11 +291,13 @@ def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
         raw = t.column(name, "timestamp")
         if pa.types.is_integer(raw.type):
             return raw.to_numpy(zero_copy_only=False).astype(np.int64) * _UNIX[fmt]
-        return np.round(v * _UNIX[fmt]).astype(np.int64)
+        exact = _decimal_text_ns(raw, _UNIX[fmt])
+        return exact if exact is not None else np.round(v * _UNIX[fmt]).astype(np.int64)
     s = col.to_pandas().astype("string")
     try:
         parsed = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce")
     except (ValueError, TypeError):  # mixed UTC offsets, or a bad strftime pattern
+        _refuse_naive_beside_offsets(s, t, name)
         try:
             parsed = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce", utc=True)
         except (ValueError, TypeError) as e:

@@ -8,6 +8,7 @@ OHLCV-1m; plain or zstd) written with ``databento_dbn`` itself.
 from __future__ import annotations
 
 import io
+import struct
 from pathlib import Path
 
 import databento_dbn as dbn
@@ -135,11 +136,22 @@ def _px(x: float | np.ndarray) -> np.ndarray:
     return np.round(np.asarray(x, np.float64) * 1e9).astype(np.int64)
 
 
-def encode_dbn(schema: dbn.Schema, records: list, compress: bool = False) -> bytes:
-    """Metadata + records → DBN bytes (zstd through ``databento_dbn.Transcoder``)."""
+def encode_dbn(schema: dbn.Schema, records: list, compress: bool = False,
+               ts_out: bool = False) -> bytes:
+    """Metadata + records → DBN bytes (zstd through ``databento_dbn.Transcoder``). ``ts_out``:
+    as a live gateway writes them, each record followed by an 8-byte send time (its ``length``
+    field counting those bytes)."""
     meta = dbn.Metadata(dataset="GLBX.MDP3", start=0, stype_in=dbn.SType.INSTRUMENT_ID,
-                        stype_out=dbn.SType.INSTRUMENT_ID, schema=schema)
-    plain = meta.encode() + b"".join(bytes(r) for r in records)
+                        stype_out=dbn.SType.INSTRUMENT_ID, schema=schema, ts_out=ts_out)
+
+    def encoded(r) -> bytes:
+        b = bytes(r)
+        if not ts_out:
+            return b
+        ts_recv = int(getattr(r, "ts_recv", 0) or getattr(r, "ts_event", 0))
+        return bytes([b[0] + 2]) + b[1:] + struct.pack("<Q", ts_recv + 1_000)
+
+    plain = meta.encode() + b"".join(encoded(r) for r in records)
     if not compress:
         return plain
     buf = io.BytesIO()
@@ -221,9 +233,10 @@ def ohlcv_records(raw: dict[str, np.ndarray], instrument_id: int = 1) -> list:
             for i in range(raw["ts"].shape[0])]
 
 
-def write_dbn(path: Path, schema: str, raw: dict[str, np.ndarray], compress: bool = False) -> Path:
+def write_dbn(path: Path, schema: str, raw: dict[str, np.ndarray], compress: bool = False,
+              ts_out: bool = False) -> Path:
     make = {"mbp-10": (dbn.Schema.MBP_10, mbp10_records),
             "trades": (dbn.Schema.TRADES, trade_records),
             "ohlcv-1m": (dbn.Schema.OHLCV_1M, ohlcv_records)}[schema]
-    path.write_bytes(encode_dbn(make[0], make[1](raw), compress))
+    path.write_bytes(encode_dbn(make[0], make[1](raw), compress, ts_out))
     return path
