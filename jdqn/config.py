@@ -477,6 +477,8 @@ def _validate(obj: Any, prefix: str) -> None:
             vals = getattr(obj, name)
             if any(v < 1 for v in vals):
                 raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
+        if not obj.vol_windows:  # the first one scales CUSUM and the multi-timeframe vols
+            raise ConfigError(f"{p}vol_windows = []: give at least one window (bars)")
         n = n_base_features(obj)
         if n + N_PORTFOLIO_SLOTS > obj.state_width:
             raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + "

@@ -176,6 +176,8 @@ def test_state_width_too_small_for_the_features_is_refused():
     config_from_dict({"features": {"state_width": 31}})
     config_from_dict({"features": {"state_width": 19, "return_lags": [], "vol_windows": [1],
                                    "mtf_factors": [], "time_of_day": False}})
+    with pytest.raises(ConfigError, match=r"features.vol_windows = \[\]: give at least one"):
+        config_from_dict({"features": {"vol_windows": []}})
 
 
 def test_feature_count_matches_the_features_built():

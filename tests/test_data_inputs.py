@@ -158,6 +158,26 @@ def test_parquet_ticks_with_timestamp_type_and_integer_stamps(tmp_path: Path) ->
         np.testing.assert_array_equal(b.close, [2.0, 3.0])
 
 
+def test_dictionary_encoded_parquet_columns_read_as_their_values(tmp_path: Path) -> None:
+    """Parquet writers dictionary-encode repetitive columns (a side, a symbol, text stamps):
+    the values are read, not the codes, and the side is not a raw pandas error."""
+    cols = {"timestamp": pa.array(["2024-01-02 14:30:01", "2024-01-02 14:30:02",
+                                   "2024-01-02 14:31:03"]),
+            "price": pa.array([100.0, 100.25, 100.5]), "size": pa.array([1.0, 2.0, 4.0]),
+            "side": pa.array(["B", None, "S"])}
+    bars = []
+    for enc in (False, True):
+        p = tmp_path / f"{enc}.parquet"
+        pq.write_table(pa.table({k: v.dictionary_encode() if enc else v
+                                 for k, v in cols.items()}), p)
+        bars.append(load_bars(DataConfig(source="ticks", path=str(p), bar_size="1min",
+                                         columns=ColumnMap(side="side"))))
+    plain, enc = bars
+    for k in ("ts", "close", "volume", "buy_volume"):
+        np.testing.assert_array_equal(getattr(enc, k), getattr(plain, k), err_msg=k)
+    np.testing.assert_array_equal(enc.buy_volume, [3.0, 0.0])  # B, then tick rule (up), S
+
+
 def test_unknown_builtin_and_empty_path() -> None:
     with pytest.raises(DataError, match="builtin:es_ticks"):
         load_bars(DataConfig(source="ticks", path="builtin:nope"))

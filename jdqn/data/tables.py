@@ -55,7 +55,10 @@ class _Table:
             have = ", ".join(self.table.column_names)
             raise DataError(f"{self.path}: missing column '{name}' (data.columns.{role}); "
                             f"columns present: {have}")
-        return self.table.column(name)
+        col = self.table.column(name)
+        if pa.types.is_dictionary(col.type):  # Parquet's dictionary encoding: its values
+            col = col.cast(col.type.value_type)
+        return col
 
 
 def _format_of(path: Path, fmt: str) -> str:
