@@ -122,6 +122,38 @@ def test_limit_fills_only_when_traded_through_not_at_touch():
     assert not out[2][2]["filled"]
 
 
+@pytest.mark.parametrize("spread,otype", [(2, E.LIMIT_TOUCH), (0, E.LIMIT_PASSIVE),
+                                           (4, E.LIMIT_PASSIVE)])
+def test_a_touch_never_fills_a_limit_on_a_decimal_tick_grid(spread, otype):
+    """With a decimal tick (crude oil: 0.01) the limit price close − offset is a float32 that
+    can land an ulp above the grid price a touching low is stored as: 1408 of 10,000 such
+    touches filled before. Over 10,000 closes, a low at the limit price never fills a buy and
+    a high at it never fills a sell; one tick through always does."""
+    tick = 0.01
+    closes = np.round(np.arange(50.0, 150.0, tick), 2)[:10_000]
+    n = closes.size
+    off = spread / 2 * tick + (tick if otype == E.LIMIT_PASSIVE else 0.0)
+    cfg = EnvConfig(**{**BASE, "tick_size": tick, "spread_ticks": float(spread), "n_envs": n,
+                       "episode_length": 2})
+    for side, through in ((E.LONG, 0), (E.LONG, 1), (E.SHORT, 0), (E.SHORT, 1)):
+        limit = np.round(closes - off if side == E.LONG else closes + off, 2)
+        beyond = np.round(limit - through * tick if side == E.LONG else limit + through * tick,
+                          2)
+        o, h, lo, c = (np.empty(2 * n) for _ in range(4))
+        for a in (o, h, lo, c):
+            a[0::2] = closes
+            a[1::2] = closes
+        (lo if side == E.LONG else h)[1::2] = beyond
+        params = E.make_params(np.zeros((2 * n, 1), np.float32), o, h, lo, c, cfg,
+                               state_width=12)
+        starts = jnp.arange(0, 2 * n, 2)
+        state = E.reset_at(params, starts, starts + 1)
+        a = jnp.tile(jnp.array([[side, 2, otype, 0]], jnp.int32), (n, 1))
+        _, _, _, info = E.step(params, state, a, E.PolicyAux.zeros(n))
+        filled = np.asarray(info["filled"])
+        assert filled.all() if through else not filled.any(), (side, through, filled.sum())
+
+
 def test_a_working_limit_order_is_in_the_observation_until_it_fills():
     """"Hold" keeps a live limit order working; the observation shows it (remaining quantity,
     bars it may still fill in, its price against the close in ticks), so a flat state with a
@@ -284,6 +316,12 @@ def test_lot_size_cuts_sized_targets_to_whole_lots_toward_zero():
     assert out[0][2]["position"] == 0.0 and not out[0][2]["filled"]
     _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=2)])
     assert out[0][2]["position"] == 3.0  # a whole number of lots stays whole
+    # Held long 3 lots, a long order that sizes under one lot places no order: the position
+    # stays (it used to be read as a target of 0 and close the position).
+    _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=2), act(E.LONG, m=0)])
+    assert out[1][2]["position"] == 3.0 and not out[1][2]["filled"]
+    _, out = run(make(max_position=3.0, lot_size=1.0), [act(E.LONG, m=2), act(E.FLAT)])
+    assert out[1][2]["position"] == 0.0  # flat is an order for 0, lots or not
     # A sized target that is one lot but lands a hair below it in float32 (41 × f32(1/41) =
     # 0.99999994) keeps that lot.
     params = make(max_position=41.0, lot_size=1.0,
@@ -337,6 +375,23 @@ def test_reset_windows_stay_inside_bounds_over_whole_episodes():
     assert bool(done[-1].all()) and not bool(done[:-1].any())
     assert float(jnp.abs(state.position).max()) == 0.0  # liquidated
     assert len(np.unique(np.asarray(t[0]))) > 10  # starts differ across episodes
+
+
+def test_episodes_in_a_window_shorter_than_an_episode_end_early_never_filling_stale():
+    """A training window of fewer than L + 1 bars (public API; the trainer never makes one):
+    the episodes end with their decision at bar hi − 2 filled in bar hi − 1, instead of
+    stepping on at the clamped last bar, where an order decided at its close filled at its
+    open — a price from before the decision."""
+    params = E.with_window(make(episode_length=100), 2, 6)
+    state = E.reset(params, jax.random.key(0))
+    assert int(state.t[0]) == 2 and int(state.last[0]) == 4
+    bars, done = [], []
+    for _ in range(3):
+        state, _, d, info = E.step(params, state, act(E.LONG), E.PolicyAux.zeros(1))
+        bars.append(int(info["bar"][0]))
+        done.append(bool(d[0]))
+    assert bars == [3, 4, 5] and done == [False, False, True]
+    assert float(info["position"][0]) == 0.0  # liquidated at bar 5's open, inside the window
 
 
 def test_auto_reset_replaces_only_done_episodes_and_restarts_their_kelly_stats():

@@ -36,6 +36,9 @@ ACTION_LABELS = (
 SHORT, HOLD, LONG, FLAT = 0, 1, 2, 3
 MARKET, LIMIT_TOUCH, LIMIT_PASSIVE = 0, 1, 2
 MAGNITUDES = (0.25, 0.5, 1.0)
+# How far past a limit price a bar must trade for it to fill ("strictly through"), in ticks:
+# far below any real price step, far above float32's rounding of prices on a decimal tick grid.
+_THROUGH_TICKS = 0.01
 
 # Portfolio slots of the observation, in StateLayout order.
 N_PORTFOLIO = len(PORTFOLIO_SLOTS)
@@ -284,15 +287,18 @@ def reset(params: EnvParams, key: jax.Array, n: int | None = None) -> EnvState:
     starts in the window.
 
     An episode starting at ``s`` decides at bars ``s … s+L−1`` and fills up to bar ``s+L``,
-    so ``s ≤ hi − L − 1``: it never reads a bar outside ``[lo, hi)``. The window must hold at
-    least ``L + 1`` bars (checked on the host by :func:`with_window` with ``min_len``).
+    so ``s ≤ hi − L − 1``: it never reads a bar outside ``[lo, hi)``. The window should hold
+    at least ``L + 1`` bars (the trainer's do; :func:`with_window`'s ``min_len`` checks it on
+    the host); in a shorter one the episodes start at ``lo`` and end early, their last decision
+    at bar ``hi − 2`` filled in bar ``hi − 1`` — never stepping on at the clamped last bar,
+    where an order decided at its close would fill at its open, before the decision.
     Starts are uniform over the ``hi − lo − L`` admissible bars (modulo bias < span / 2³²).
     """
     n, length = params.cfg.n_envs if n is None else n, params.cfg.episode_length
     span = jnp.maximum(params.hi - params.lo - length, 1).astype(jnp.uint32)
     seed = jax.random.bits(key, (), jnp.uint32)
     start = params.lo + (hash_u32(seed, jnp.arange(n)) % span).astype(jnp.int32)
-    return reset_at(params, start, start + length - 1)
+    return reset_at(params, start, jnp.minimum(start + length - 1, params.hi - 2))
 
 
 def auto_reset(params: EnvParams, state: EnvState, done: jax.Array, key: jax.Array) -> EnvState:
@@ -408,6 +414,8 @@ def step(params: EnvParams, state: EnvState, action: jax.Array, aux: PolicyAux
         # below it, e.g. 41 × float32(1/41) = 0.99999994, from losing a lot)
         target_new = jnp.trunc(target_new / cfg.lot_size * (1.0 + 1e-6)) * cfg.lot_size
     new_order = (direction != HOLD) | is_last
+    if cfg.lot_size > 0:  # a target under one lot places no order (docs/env.md): not a close
+        new_order = new_order & ~((target_new == 0.0) & (intended_new != 0.0))
     otype = jnp.where(is_last, MARKET, otype)
     pos = state.position
 
@@ -420,10 +428,15 @@ def step(params: EnvParams, state: EnvState, action: jax.Array, aux: PolicyAux
     pend_price = jnp.where(limit_new, price_new, state.pend_price)
     pend_left = jnp.where(limit_new, expiry, jnp.where(market_new, 0, state.pend_left))
 
-    # Fills during bar t+1. A limit fills only if the bar trades strictly through its price.
+    # Fills during bar t+1. A limit fills only if the bar trades strictly through its price:
+    # by more than 1 % of a tick, so that a low or high that only touches it never counts,
+    # whatever float32 rounding did to the two (with a decimal tick such as 0.01, c0 − offset
+    # can come out an ulp above the grid price a touching low is stored as).
+    through = _THROUGH_TICKS * tick
     mkt_fill = market_new & (target != pos)
     live = (pend_left > 0) & (target != pos)
-    lim_fill = live & jnp.where(target > pos, l1 < pend_price, h1 > pend_price)
+    lim_fill = live & jnp.where(target > pos, l1 < pend_price - through,
+                                h1 > pend_price + through)
     filled = mkt_fill | lim_fill
     ref_price = jnp.where(mkt_fill, o1, pend_price)
     dq = jnp.where(filled, target - pos, 0.0)
