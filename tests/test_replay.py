@@ -115,6 +115,96 @@ def test_large_buffer_probabilities_stay_accurate():
     assert np.max(np.abs(got - exact)) * cap < 1e-3
 
 
+@pytest.mark.parametrize("dist", ["trainer_like", "lognormal"])
+def test_draw_points_resolve_slots_at_the_block_sums_precision(dist):
+    """At a production capacity (C = 4 M, B = 16384: gpu.toml) a draw point written as one
+    float32 at the scale of the total mass is resolved only to ulp(total) = 0.25, about a
+    slot's mass: slots' draw probabilities came out 0.68–1.32× the intended (priorities
+    uniform in [10, 14], the trainer's), and light slots of a lognormal spread could never be
+    drawn. Every uniform the key can give, on a 2⁻²⁰ grid, for the last (largest) stratum: each
+    slot inside it is hit as often as its mass says, to the grid's resolution."""
+    from jdqn.replay.per import _masses, _stratified_slots, _sums
+
+    cap, batch = 4_000_000, 16384
+    rng = np.random.default_rng(0)
+    pr = (rng.uniform(10.0, 14.0, cap) if dist == "trainer_like"
+          else rng.lognormal(0.0, 2.0, cap)).astype(np.float32)
+    st = R.ReplayState(storage={}, priorities=jnp.asarray(pr), position=jnp.int32(0),
+                       size=jnp.int32(cap), max_priority=jnp.float32(pr.max()))
+    local, block_cum = jax.jit(lambda st: _sums(st, 0.6, "xla")[:2])(st)
+    q = np.asarray(jax.jit(_masses)(st, 0.6), np.float64)
+    grid = 1 << 20
+    uniform = jnp.arange(grid, dtype=jnp.float32) / grid  # exact multiples of 2^-20
+    slots = np.asarray(jax.jit(_stratified_slots, static_argnums=4)(
+        local, block_cum, jnp.full(grid, batch - 1, jnp.int32), uniform, batch))
+    hits = np.bincount(slots - slots.min())
+    inner = slice(1, hits.size - 1)  # the slots wholly inside the stratum
+    seg = float(block_cum[-1]) / batch
+    want = q[slots.min():slots.max() + 1][inner] / seg * grid  # expected hits
+    got = hits[inner]
+    assert got.size > 50 and np.median(want) > 500
+    # Each slot's interval holds its expected count of grid points, ± 1 for where the grid
+    # falls and ± 1 more per end for the offset's rounding at the block's scale (~0.6 grid
+    # steps), and within the block sums' relative rounding. (Before: off by up to 32 %, and
+    # light slots with hundreds expected got 0.)
+    np.testing.assert_array_less(np.abs(got - want), 3.0 + 2e-3 * want)
+
+
+def test_a_zero_mass_slot_never_counts_as_a_draw():
+    """A priority-0 slot (a forced liquidation, a fold-start placeholder) can get an ulp of
+    width in float32 cumulative sums that are not summed left to right (XLA's are not). Drawn,
+    it took the batch's largest importance weight and shrank every real sample's to ~1e-16;
+    now it is no sample: weight 0 and an index update() ignores."""
+    cap = 1 << 20
+    rng = np.random.default_rng(0)
+    pr = rng.uniform(10.0, 14.0, cap).astype(np.float32)
+    pr[rng.uniform(size=cap) < 0.1] = 0.0
+    st = R.ReplayState(storage={"slot": jnp.arange(cap, dtype=jnp.int32)},
+                       priorities=jnp.asarray(pr), position=jnp.int32(0), size=jnp.int32(cap),
+                       max_priority=jnp.float32(14.0))
+    from jdqn.replay.per import _stratified_slots, _sums
+
+    local, block_cum = jax.jit(lambda st: _sums(st, 0.6, "xla")[:2])(st)
+    loc = np.asarray(local)
+    width = np.diff(np.concatenate([np.zeros((loc.shape[0], 1), np.float32), loc], 1),
+                    axis=1).reshape(-1)[:cap]
+    wide_zeros = np.flatnonzero((pr == 0) & (width > 0))
+    assert wide_zeros.size > 0  # the hazard is real in these sums
+    # A uniform that lands a stratum's point inside such a slot's interval: search the grid of
+    # the float32 uniforms near the slot's position for one that _stratified_slots maps to it.
+    batch, alpha = 16384, 0.6
+    slot = int(wide_zeros[0])
+    blk, j = divmod(slot, loc.shape[1])
+    point = (float(block_cum[blk - 1]) if blk else 0.0) + float(loc[blk, j - 1])
+    seg = float(block_cum[-1]) / batch
+    stratum = int(point // seg)
+    centre = point / seg - stratum
+    cands = np.clip(centre + np.arange(-4096, 4096) * 2.0 ** -23, 0, 1 - 2.0 ** -23)
+    hit = np.asarray(jax.jit(_stratified_slots, static_argnums=4)(
+        local, block_cum, jnp.full(cands.size, stratum, jnp.int32),
+        jnp.asarray(cands, jnp.float32), batch))
+    if not (hit == slot).any():
+        pytest.skip("no float32 uniform reaches the slot in these sums")
+    u_star = np.float32(cands[hit == slot][0])
+    real = jax.random.uniform
+
+    def planted(key, shape, *a, **k):  # the key's uniforms, with that one in its stratum
+        return real(key, shape).at[stratum].set(u_star)
+
+    try:
+        jax.random.uniform = planted
+        s = R.sample(st, jax.random.key(0), batch, alpha, 0.4)
+    finally:
+        jax.random.uniform = real
+    idx, w = np.asarray(s.indices), np.asarray(s.weights)
+    assert int(np.asarray(s.items["slot"])[stratum]) == slot  # the point did land there
+    assert idx[stratum] == cap and w[stratum] == 0.0
+    others = np.delete(w, stratum)
+    assert others.max() == 1.0 and others.min() > 0.5  # the real samples keep their weights
+    new = R.update(st, s.indices, jnp.full(batch, 5.0), indices_sorted=True)
+    assert float(new.priorities[slot]) == 0.0  # and the slot stays out of the replay
+
+
 def test_all_zero_priorities_fall_back_to_uniform_over_filled_slots():
     prob = jax.jit(R.sampling_probabilities)
     st = _filled(16, np.zeros(10))  # 10 filled slots, every priority 0

@@ -14,9 +14,11 @@ ulp of the running total, i.e. to a relative error of about ``C·2⁻²⁴`` of 
 ``C = 10⁷`` that is ±30% (worse: with ``p/max(p) ≤ 1`` the total is ≈ 10⁷ whose ulp is 1). We
 split the buffer into ``G`` blocks of ``S ≈ √C`` slots, take a cumulative sum *within* each block
 and one *over the block totals*; each level then has at most ``max(S, G) ≈ √C`` terms and a relative
-error of about ``√C·2⁻²⁴`` (≈ 2·10⁻⁴ at ``C = 10⁷``; ≈ 10⁻⁶ at ``C = 10⁵``). A slot is sampled
-only if its increment in the float32 cumulative sum is positive, so a zero-priority or unfilled
-slot is never drawn, at any capacity.
+error of about ``√C·2⁻²⁴`` (≈ 2·10⁻⁴ at ``C = 10⁷``; ≈ 10⁻⁶ at ``C = 10⁵``). The draw points are
+located at that precision too (:func:`_stratified_slots`), not at the ulp of the total. Unfilled
+slots are never drawn; a zero-priority slot can get an ulp of width in float32 sums that are not
+summed left to right (XLA's), and a draw landing there is returned as no sample (weight 0,
+index ``C``).
 
 Sampling is stratified: the total mass is cut into ``B`` equal segments and one point is drawn
 uniformly in each (as in the paper's reference implementation), which lowers the variance of the
@@ -58,8 +60,8 @@ class ReplayState:
 
 class Sample(NamedTuple):
     items: PyTree  # leaves [B, ...]
-    indices: jax.Array  # i32 [B] slots, for update()
-    weights: jax.Array  # f32 [B] importance weights (N·P)^-β / max over the batch
+    indices: jax.Array  # i32 [B] slots, for update(); C for a draw that is no sample
+    weights: jax.Array  # f32 [B] importance weights (N·P)^-β / max over the batch; 0 for those
 
 
 def init(capacity: int, item_example: PyTree) -> ReplayState:
@@ -197,17 +199,60 @@ def _first_above(get: Any, u: jax.Array, n: int) -> jax.Array:
     return lo
 
 
-def _locate(local: jax.Array, block_cum: jax.Array, u: jax.Array) -> jax.Array:
-    """Slots whose cumulative-mass interval contains the points ``u [B]`` (``0 ≤ u < total``)."""
+def _split_segment(seg: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+    """``seg = hi + lo`` with ``hi`` holding few enough significant bits that ``i · hi`` is exact
+    in float32 for every stratum ``i < batch`` (``lo`` is then exact too)."""
+    k = max(1, (batch - 1).bit_length())
+    bits = jax.lax.bitcast_convert_type(seg.astype(jnp.float32), jnp.uint32)
+    hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(~((1 << k) - 1) & 0xFFFFFFFF),
+                                      jnp.float32)
+    return hi, seg - hi
+
+
+def _stratified_slots(local: jax.Array, block_cum: jax.Array, stratum: jax.Array,
+                      uniform: jax.Array, batch: int) -> jax.Array:
+    """The slots holding the stratified points ``m = (stratum + uniform) · total / batch`` of
+    the cumulative masses (``stratum`` int, ``uniform`` in [0, 1), same shape).
+
+    The point is never one float32 at the scale of the total: there its ulp (0.25 at a total of
+    4·10⁶, a replay of 4 M slots) is comparable to one slot's mass, so which slot a point hits
+    would be resolved only to that — slots' draw probabilities off by tens of percent, and light
+    slots never drawn — whatever the precision of the sums. ``m = a + b`` with ``a = stratum ·
+    hi`` exact (:func:`_split_segment`) and ``b`` small; ``m`` rounded picks the block, and the
+    offset inside it is ``(a − before) + b`` (``a − before`` exact or rounded at the block's
+    scale), so the slot is located to the precision of the block's own sums (``√C·2⁻²⁴``). Near
+    a block edge the rounded ``m`` may pick the neighbour; the offset's sign moves it back."""
     g, s = local.shape
     total = block_cum[-1]
-    # Keep u strictly below the total so it always falls into an interval of positive width.
-    u = jnp.clip(u, 0.0, jnp.nextafter(total, jnp.float32(0)))
-    blk = jnp.minimum(_first_above(lambda j: block_cum[j], u, g), g - 1)
-    before = jnp.where(blk > 0, block_cum[jnp.maximum(blk - 1, 0)], 0.0)
+    hi, lo = _split_segment(total / batch, batch)
+    i = stratum.astype(jnp.float32)
+    a = i * hi
+    b = i * lo + uniform * (total / batch)
+    m = jnp.clip(a + b, 0.0, jnp.nextafter(total, jnp.float32(0)))
+    blk = jnp.minimum(_first_above(lambda j: block_cum[j], m, g), g - 1)
+
+    def offset(blk):
+        """(offset of the point past the block's start, the block's width), both in the
+        block-level sums."""
+        before = jnp.where(blk > 0, block_cum[jnp.maximum(blk - 1, 0)], 0.0)
+        return (a - before) + b, block_cum[blk] - before
+
+    u_in, width = offset(blk)
+    prev_w = jnp.where(blk > 1, block_cum[jnp.maximum(blk - 1, 0)]
+                       - block_cum[jnp.maximum(blk - 2, 0)], block_cum[0])
+    next_w = block_cum[jnp.minimum(blk + 1, g - 1)] - block_cum[blk]
+    # (only into a neighbour with mass: a point never belongs to an empty block)
+    blk = (blk - ((u_in < 0) & (blk > 0) & (prev_w > 0)).astype(jnp.int32)
+           + ((u_in >= width) & (blk < g - 1) & (next_w > 0)).astype(jnp.int32))
+    u_in, width = offset(blk)
+    # The block's width in the block-level sums (rounded at the total's scale, ~ulp(total))
+    # and its total in its own sums differ by that rounding: scale the offset from the one to
+    # the other, so the difference is spread over the block's slots in proportion to their
+    # masses rather than given to (or taken from) its first or last slot.
     block_total = local[blk, s - 1]
-    # Rounding can put u - before at or past this block's total; clamp into the block.
-    u_in = jnp.clip(u - before, 0.0, jnp.nextafter(block_total, jnp.float32(0)))
+    u_in = u_in * (block_total / jnp.where(width > 0, width, 1.0))
+    # Rounding can still leave the offset just outside the block: clamp into it.
+    u_in = jnp.clip(u_in, 0.0, jnp.nextafter(block_total, jnp.float32(0)))
     j = jnp.minimum(_first_above(lambda k: local[blk, k], u_in, s), s - 1)
     return blk * s + j
 
@@ -239,6 +284,8 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     ``f32 [B]``: ``w_i = (N·P(i))^-β`` divided by the largest ``w`` in the batch (so ``w ≤ 1``;
     Schaul et al. normalise by the max for stability; the batch max keeps one rarely-sampled slot
     elsewhere in the buffer from shrinking every weight). ``N`` = number of filled slots.
+    A draw landing on a zero-mass slot (a priority-0 item given an ulp of width by the float32
+    sums) is no sample: index ``C`` (``update`` ignores it) and weight 0, excluded from the max.
     Sampling an empty buffer is the caller's error (guard with ``size ≥ min_replay``); it returns
     slot 0 with weight 1 rather than NaN. Under data parallel (``axis_name``: each device samples
     its own replay shard) the maximum is taken over the global batch. ``impl``
@@ -248,19 +295,31 @@ def sample(state: ReplayState, key: jax.Array, batch: int, alpha: float | jax.Ar
     """
     local, block_cum, mass_at = _sums(state, alpha, impl)
     total = block_cum[-1]
-    u = (jnp.arange(batch, dtype=jnp.float32) + jax.random.uniform(key, (batch,))) / batch * total
-    idx = _locate(local, block_cum, u)
+    idx = _stratified_slots(local, block_cum, jnp.arange(batch, dtype=jnp.int32),
+                            jax.random.uniform(key, (batch,)), batch)
     idx = jnp.clip(idx, 0, jnp.maximum(state.size - 1, 0)).astype(jnp.int32)
-    prob = mass_at(idx) / jnp.where(total > 0, total, 1.0)
+    # Non-decreasing whatever the last ulp did (update(indices_sorted=True) relies on it).
+    idx = jax.lax.cummax(idx)
+    mass = mass_at(idx)
+    # A slot of zero mass (a priority-0 item: a forced liquidation, a fold-start placeholder)
+    # has an interval of zero width in exact arithmetic; XLA's float32 cumulative sums are not
+    # summed left to right, so one can get an ulp of width. Such a draw is no sample: weight 0,
+    # and index C, which update() ignores (its priority stays 0). Only the buffer being empty
+    # (the caller's error) makes every draw one; it gets slot 0 with weight 1, as before.
+    valid = (mass > 0) | (state.size == 0)
+    prob = mass / jnp.where(total > 0, total, 1.0)
     n = jnp.maximum(state.size, 1).astype(jnp.float32)
     # log-space avoids overflow of (N·P)^-β for tiny P.
     logw = -beta * jnp.log(jnp.maximum(n * prob, jnp.finfo(jnp.float32).tiny))
+    logw = jnp.where(valid, logw, -jnp.inf)
     top = jnp.max(logw)
     if axis_name is not None:
         top = jax.lax.pmax(top, axis_name)
-    weights = jnp.exp(logw - top)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(valid, jnp.exp(logw - top), 0.0)
     items = jax.tree.map(lambda buf: buf[idx], state.storage)
-    return Sample(items, idx, weights.astype(jnp.float32))
+    return Sample(items, jnp.where(valid, idx, state.capacity).astype(jnp.int32),
+                  weights.astype(jnp.float32))
 
 
 def update(state: ReplayState, indices: jax.Array, priorities: jax.Array,
