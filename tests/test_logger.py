@@ -106,6 +106,7 @@ def test_a_real_epoch_record_carries_every_documented_diagnostic(tmp_path):
     for key in ("mean", "std", "mean_per_branch", "std_per_branch"):
         assert len(rec["q"][key]) == n_branches
     assert rec["q"]["gap"] >= 0 and rec["q"]["collect_abs_mean"] >= 0
+    assert rec["q"]["collect_abs_ema"] > 0 and math.isfinite(rec["q"]["collect_abs_ema"])
     assert 0 <= rec["atoms"]["edge_mass"] <= 1
     assert rec["atoms"]["effective"] >= 1 and rec["atoms"]["effective"] <= cfg.model.n_atoms
     assert len(rec["atoms"]["target_mean_per_branch"]) == n_branches

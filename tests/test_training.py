@@ -337,6 +337,25 @@ def test_same_seed_is_bitwise_identical_and_different_seeds_differ(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+def test_the_q_abs_ema_follows_the_collected_states_mean_q():
+    """``TrainState.q_abs_ema``: starts at the first collection step's |mean Q|, then
+    ``0.99·ema + 0.01·|mean Q|`` per step (it was a leaf that nothing updated)."""
+    from jdqn.train import epoch as epoch_lib
+
+    p, env_params, state = _setup(tiny_config("train.collect_steps=1"))
+    one = jax.tree.map(lambda x: x[0], state)
+    assert float(one.q_abs_ema) == 0.0
+    step = jax.jit(lambda s: epoch_lib.collect(p.learner, s, env_params))
+    one, _, s1 = step(one)
+    q1 = float(s1["q_abs_mean"])
+    assert q1 > 0 and float(one.q_abs_ema) == q1
+    one, _, s2 = step(one)
+    q2 = float(s2["q_abs_mean"])
+    d = epoch_lib.Q_ABS_EMA_DECAY
+    np.testing.assert_allclose(float(one.q_abs_ema), d * q1 + (1 - d) * q2, rtol=1e-6)
+    assert q2 != q1
+
+
 def _run_epoch_with(cfg, mutate_state=None, mutate_env=None):
     p, env_params, state = _setup(cfg)
     if mutate_state is not None:

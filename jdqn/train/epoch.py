@@ -39,6 +39,10 @@ BRANCH_SIZES = env_core.BRANCH_SIZES
 # --------------------------------------------------------------------------------------------
 
 
+# Decay per collection step of ``TrainState.q_abs_ema`` (≈ 100 steps' memory).
+Q_ABS_EMA_DECAY = 0.99
+
+
 def epsilon(learner: Learner, collect_step: jax.Array) -> jax.Array:
     """ε of per-branch ε-greedy: linear from eps_start to eps_end over eps_decay_steps."""
     c = learner.cfg.train
@@ -133,7 +137,13 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
             **{f"action_{name}": jnp.mean(jax.nn.one_hot(action[:, i], BRANCH_SIZES[i]), 0)
                for i, name in enumerate(env_core.BRANCH_NAMES)},
         }
-        st = st.replace(env=env2, norm=norm, key=key, collect_step=st.collect_step + 1)
+        # The diagnostic EMA of |mean Q| over the collected states (per collection step; the
+        # first step of a run starts it at its value rather than pulling it up from 0).
+        q_abs = stats["q_abs_mean"]
+        ema = jnp.where(st.q_abs_ema == 0.0, q_abs,
+                        Q_ABS_EMA_DECAY * st.q_abs_ema + (1.0 - Q_ABS_EMA_DECAY) * q_abs)
+        st = st.replace(env=env2, norm=norm, key=key, collect_step=st.collect_step + 1,
+                        q_abs_ema=ema.astype(jnp.float32))
         return st, (rec, stats)
 
     state, (chunk, stats) = jax.lax.scan(one, state, None, length=k_steps)
@@ -423,6 +433,7 @@ def make_epoch_fn(learner: Learner):
             "update": jax.tree.map(lambda x: jnp.sum(x, axis=0) / n_up, m["update"]),
             "n_updates": jnp.sum(m["n_updates"]),
             "replay_size": state.replay.size,
+            "q_abs_ema": state.q_abs_ema,  # (the same on every device: q_abs_mean is global)
         }
         out["collect"]["episodes_done"] = out["collect"]["episodes_done"] * n_col
         if ax is not None:  # this device's envs and batch → the global figures
