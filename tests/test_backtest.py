@@ -94,6 +94,9 @@ def test_parallel_windows_cover_each_bar_once_and_are_flat_at_boundaries():
     same[ends[:-1] + 1] = False
     same[ends] = False
     np.testing.assert_allclose(one.net_pnl[same], many.net_pnl[same], atol=1e-9)
+    # Windows so short that the forced liquidations crowd out the policy draw a warning.
+    with pytest.warns(UserWarning, match=r"in 60 windows of 5 steps: .*20% of the decisions"):
+        rollout(params, buy_and_hold_policy, jnp.int32(0), lo=20, hi=320, n_windows=60)
 
 
 def test_stride_evaluates_k_bar_bars_with_original_bar_indices():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,10 @@ def _wrap_obs_only(policy_fn: PolicyFn) -> PolicyFn:
 
     return call
 
+
+# Parallel backtest windows shorter than this many steps draw a warning: every window ends
+# with a forced liquidation, which overrides that step's decision.
+MIN_WINDOW_STEPS = 20
 
 # Steps per call of the jitted scan. A backtest runs its ⌈M / n_windows⌉ steps as calls of this
 # one program, carrying the env state between them, so every period length (each fold's
@@ -257,6 +262,10 @@ def _setup(params: EnvParams, lo: int | None, hi: int | None, n_windows: int, st
     n_win = -(-m // n_steps)  # drop windows that would be empty
     start = lo + n_steps * np.arange(n_win)
     last = np.minimum(start + n_steps, lo + m) - 1
+    if n_win > 1 and n_steps < MIN_WINDOW_STEPS:
+        warnings.warn(f"backtest of [{lo}, {hi}) in {n_win} windows of {n_steps} steps: each "
+                      f"window's last step is a forced liquidation, so {1 / n_steps:.0%} of the "
+                      "decisions are not the policy's; use fewer eval.n_windows", stacklevel=3)
     return params, bar_map, start, last, n_steps
 
 
