@@ -126,7 +126,6 @@ def collect(learner: Learner, state: TrainState, env_params: env_core.EnvParams
             "reward_raw": jnp.mean(reward),
             "reward_norm": jnp.mean(reward_n),
             "q_abs_mean": jnp.abs(parallel.pmean(jnp.mean(q_dir), ax)),  # all envs' mean
-            "q_gap": jnp.mean(jnp.max(q_dir, -1) - jnp.min(q_dir, -1)),
             "abs_intended": jnp.mean(jnp.abs(info["intended_position"])),
             "abs_realised": jnp.mean(jnp.abs(info["position"])),
             "size_scale": jnp.mean(info["size_scale"]),
