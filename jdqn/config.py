@@ -81,7 +81,7 @@ class SyntheticConfig:
     """The seeded synthetic market (regimes, volatility clustering, informative order flow)."""
 
     n_bars: int = fld(20_000, ge=200, le=10**9)  # bars to generate
-    seed: int = fld(0, ge=0)  # generator seed (independent of the training seed)
+    seed: int = fld(0, ge=0, lt=2**64)  # generator seed (independent of the training seed)
     bar_seconds: int = fld(60, ge=1)  # nominal bar length
     start_price: float = fld(4000.0, gt=0)
     tick_size: float = fld(0.25, gt=0)
@@ -410,12 +410,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {tp}")  # a programming error
 
 
+INT32_MAX = 2**31 - 1  # the largest integer setting without a range of its own
+
+
 def _check_range(value: Any, meta: typing.Mapping[str, Any], key: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     ge, le, gt, lt = meta.get("ge"), meta.get("le"), meta.get("gt"), meta.get("lt")
     lo = f"[{ge}" if ge is not None else (f"({gt}" if gt is not None else "(-inf")
     hi = f"{le}]" if le is not None else (f"{lt})" if lt is not None else "inf)")
+    if isinstance(value, int) and le is None and lt is None:
+        # Counts and sizes become int32 array dimensions and indices: larger ones overflow
+        # inside JAX with a raw traceback (or abort in XLA), after the run folder exists.
+        le, hi = INT32_MAX, f"{INT32_MAX}]"
     bad = ((ge is not None and value < ge) or (le is not None and value > le)
            or (gt is not None and value <= gt) or (lt is not None and value >= lt))
     if isinstance(value, float) and not math.isfinite(value):  # NaN, ±inf: never usable
@@ -449,6 +456,10 @@ def _build(cls: type, table: dict[str, Any], prefix: str) -> Any:
     return obj
 
 
+# The synthetic bars are stamped from 2024 in int64 nanoseconds, which end in 2262.
+_SYNTHETIC_SPAN_S = 5 * 10**9
+
+
 def _validate(obj: Any, prefix: str) -> None:
     """Cross-field checks that a single field's range cannot express."""
     p = (prefix + ".") if prefix else ""
@@ -461,10 +472,20 @@ def _validate(obj: Any, prefix: str) -> None:
         if obj.branch_sizes[0] != 4:
             raise ConfigError(f"{p}branch_sizes[0] = {obj.branch_sizes[0]}: the direction branch "
                               "has exactly 4 actions (short, hold, long, flat)")
+        for i, (name, values) in enumerate((("magnitude", "¼, ½, full"),
+                                            ("order type", "market, limit, passive limit"),
+                                            ("urgency", "three limit expiries")), start=1):
+            if obj.branch_sizes[i] > 3:
+                raise ConfigError(f"{p}branch_sizes[{i}] = {obj.branch_sizes[i]}: the env has 3 "
+                                  f"{name} actions ({values}); use at most 3")
     if isinstance(obj, EnvConfig) and (len(obj.limit_expiry) != 3
                                        or any(e < 1 for e in obj.limit_expiry)):
         raise ConfigError(f"{p}limit_expiry = {list(obj.limit_expiry)}: need 3 positive bar "
                           "counts, one per urgency level")
+    if isinstance(obj, SyntheticConfig) and obj.n_bars * obj.bar_seconds > _SYNTHETIC_SPAN_S:
+        raise ConfigError(f"{p}n_bars × {p}bar_seconds = {obj.n_bars} × {obj.bar_seconds} s "
+                          f"spans more than the {_SYNTHETIC_SPAN_S:.0e} s (≈ 158 years) the "
+                          "synthetic market's nanosecond timestamps can hold")
     if isinstance(obj, DataConfig) and obj.source == "synthetic":
         given = ([f"{p}path = {obj.path!r}"] if obj.path else []) + (
             [f"{p}columns"] if obj.columns != ColumnMap() else [])

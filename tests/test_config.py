@@ -42,7 +42,7 @@ def test_unknown_section_is_an_error():
 
 
 def test_out_of_range_names_field_and_range():
-    with pytest.raises(ConfigError, match=r"model.n_atoms = 1 is out of range; allowed: \[2, inf\)"):
+    with pytest.raises(ConfigError, match=r"model.n_atoms = 1 is out of range; allowed: \[2, 2147483647\]"):
         config_from_dict({"model": {"n_atoms": 1}})
     with pytest.raises(ConfigError, match=r"train.gamma = 1.5 is out of range; allowed: \[0, 1\]"):
         config_from_dict({"train": {"gamma": 1.5}})
@@ -169,6 +169,28 @@ def test_sizes_and_seeds_have_upper_bounds():
     config_from_dict({"train": {"seeds": [0, 2**32 - 1]}, "eval": {"random_seed": 2**32 - 1}})
 
 
+def test_sizes_beyond_int32_branches_the_env_lacks_and_an_overlong_synthetic_span_are_refused():
+    """Each used to pass validation and fail after the run folder existed: an int32 overflow
+    deep in JAX (or an XLA abort) for a huge size, an 'action out of range' after a whole
+    epoch for a fifth magnitude, 'timestamps not ascending' for a synthetic span past 2262."""
+    for key, sub in (("env", "n_envs"), ("train", "batch_size"), ("model", "n_atoms")):
+        with pytest.raises(ConfigError, match=rf"{key}.{sub} = 10000000000 is out of range; "
+                                              r"allowed: \[\d+, 2147483647\]"):
+            config_from_dict({key: {sub: 10**10}})
+    config_from_dict({"data": {"synthetic": {"seed": 2**40}}})  # a seed is no size
+    config_from_dict({"train": {"seeds": [2**32 - 1]}})
+    for i, name in ((1, "magnitude"), (2, "order type"), (3, "urgency")):
+        sizes = [4, 3, 3, 3]
+        sizes[i] = 4
+        with pytest.raises(ConfigError, match=rf"model.branch_sizes\[{i}\] = 4: the env has 3 "
+                                              rf"{name} actions"):
+            config_from_dict({"model": {"branch_sizes": sizes}})
+    config_from_dict({"model": {"branch_sizes": [4, 2, 1, 3]}})  # fewer is fine
+    with pytest.raises(ConfigError, match=r"data.synthetic.n_bars × data.synthetic.bar_seconds "
+                                          r"= 3000 × 100000000 s spans more than"):
+        config_from_dict({"data": {"synthetic": {"n_bars": 3000, "bar_seconds": 10**8}}})
+
+
 def test_state_width_too_small_for_the_features_is_refused():
     with pytest.raises(ConfigError, match=r"features.state_width = 30 is too small: 24 features "
                                           r"\+ 7 portfolio slots need 31"):
@@ -237,7 +259,7 @@ def test_iqn_fraction_groups_must_divide_each_devices_batch():
     assert config_from_dict({"model": {"iqn_tau_groups": 1},
                              "train": {"batch_size": 100}}).model.iqn_tau_groups == 1
     with pytest.raises(ConfigError, match=r"model.iqn_tau_groups = 0 is out of range; "
-                                          r"allowed: \[1, inf\)"):
+                                          r"allowed: \[1, 2147483647\]"):
         config_from_dict({"model": {"iqn_tau_groups": 0}})
     # data parallel: each device cuts its own share (256 / 4 = 64) into the groups
     config_from_dict({**ok, "parallel": {"n_devices": 4}})
