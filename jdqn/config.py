@@ -715,3 +715,15 @@ def dumps_toml(cfg: Config) -> str:
     for name, d in to_dict(cfg).items():
         section(name, d)
     return "\n".join(lines)
+
+
+# Characters orbax cannot have in a checkpoint's path: it finds a save's data files with a glob
+# (so "[...]" is a pattern that matches nothing) and tensorstore reads "\\" as a separator (the
+# data lands in another folder). The save "succeeds" and the checkpoint can never be restored.
+UNSAFE_PATH_CHARS = "[]\\"
+
+
+def unsafe_path_chars(path: str | Path) -> str:
+    """The characters of ``path`` (made absolute) that orbax checkpoints cannot live under."""
+    text = str(Path(path).absolute())
+    return "".join(sorted({c for c in text if c in UNSAFE_PATH_CHARS}))

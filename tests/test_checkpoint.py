@@ -73,6 +73,14 @@ def test_round_trip_is_bitwise_with_optax_types_and_typed_keys(tmp_path):
                                   jax.random.uniform(st.key, (4,)))
 
 
+def test_a_directory_orbax_cannot_restore_from_is_refused(tmp_path):
+    from jdqn.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"exp\[1\]/ck: the path holds '\[' '\]'"):
+        Checkpointer(tmp_path / "exp[1]" / "ck")
+    assert not (tmp_path / "exp[1]").exists()
+
+
 def test_async_save_then_restore_while_the_state_moves_on(tmp_path):
     st = _state(1)
     expected = _state(1)  # the same values in separate buffers

@@ -69,6 +69,24 @@ def test_bad_set_syntax(tmp_path):
                       "expected KEY=VALUE")
 
 
+@pytest.mark.parametrize("name", ["exp[lr=1e-3]", "a\\b"])
+def test_a_run_folder_orbax_cannot_restore_from_is_refused_before_anything_is_written(
+        tmp_path, name):
+    """orbax globs for a save's files ('[...]' is a pattern) and tensorstore splits at '\\':
+    a run there trained, 'saved' its checkpoints, and could never be resumed. Refused up
+    front, for --output-dir and for the default folder a config's file name gives; nothing
+    is created."""
+    out = tmp_path / name
+    assert_user_error(run_cli("--config", "configs/quickstart.toml", "--output-dir", str(out)),
+                      "--output-dir", "could never be restored")
+    assert not out.exists()
+    cfg = tmp_path / "exp[1].toml"
+    cfg.write_text((REPO / "configs" / "quickstart.toml").read_text())
+    assert_user_error(run_cli("--config", str(cfg), cwd=tmp_path),
+                      "the run folder runs/exp[1]", "'[' ']'")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_missing_config_and_data_files(tmp_path):
     assert_user_error(run_cli("--config", str(tmp_path / "none.toml")), "config file not found")
     cfg = ticks_config(tmp_path, GOOD_TICKS)

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jdqn.config import unsafe_path_chars
 from jdqn.errors import CheckpointError
 
 PyTree = Any
@@ -427,6 +428,12 @@ class Checkpointer:
                  async_save: bool = True, fingerprint: str = "", metric: str = "val_sharpe",
                  group: str = "fold"):
         self.directory = Path(directory).absolute()
+        bad = unsafe_path_chars(self.directory)
+        if bad:
+            raise CheckpointError(f"checkpoint directory {self.directory}: the path holds "
+                                  f"{' '.join(repr(c) for c in bad)}, which orbax reads as glob "
+                                  "or path syntax, so its checkpoints could never be restored; "
+                                  "use a folder whose path has none")
         self.schema = fingerprint
         self.metric = metric
         self.group = group
