@@ -100,6 +100,41 @@ def test_async_save_then_restore_while_the_state_moves_on(tmp_path):
     ck.close()
 
 
+def test_a_failed_save_names_both_steps_and_a_full_disk_is_an_os_error(tmp_path, monkeypatch):
+    """An asynchronous save's failure surfaces at the next save: the error names that step and
+    the one before. A full disk (an OSError anywhere in orbax's chain of causes) stays an
+    OSError, which the CLI reports with exit code 1, not as bad input (2)."""
+    from jdqn.errors import CheckpointError
+
+    st = _state()
+    ck = Checkpointer(tmp_path / "ck", async_save=True)
+    ck.save(1, st, {"val_sharpe": 0.3})
+    ck.wait()
+
+    def full(*a, **k):
+        try:
+            raise OSError(28, "No space left on device", str(tmp_path / "ck" / "2"))
+        except OSError as e:
+            raise RuntimeError("the background write failed") from e
+
+    monkeypatch.setattr(ck._mngr, "save", full)
+    with pytest.raises(OSError, match=r"cannot save checkpoint step 2 \(or finish the "
+                                      r"asynchronous save of step 1\) in .*ck: No space left"
+                       ) as info:
+        ck.save(2, st, {"val_sharpe": 0.1})
+    assert info.value.errno == 28 and not isinstance(info.value, CheckpointError)
+
+    def broken(*a, **k):
+        raise ValueError("a serialiser's complaint")
+
+    monkeypatch.setattr(ck._mngr, "save", broken)
+    with pytest.raises(CheckpointError, match=r"cannot save checkpoint step 2 \(or finish the "
+                                              r"asynchronous save of step 1\).*complaint"):
+        ck.save(2, st, {"val_sharpe": 0.1})
+    monkeypatch.undo()
+    ck.close()
+
+
 def test_retention_keeps_best_n_by_sharpe_plus_latest_n(tmp_path):
     st = _state()
     sharpes = [0.5, 2.0, -1.0, float("nan"), 1.5, 0.1, 0.2]

@@ -346,6 +346,17 @@ def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]
 # ---------------------------------------------------------------------------------------------
 
 
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The first OSError in ``e``'s chain of causes (orbax wraps its writers' errors)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
@@ -428,6 +439,8 @@ class Checkpointer:
                  async_save: bool = True, fingerprint: str = "", metric: str = "val_sharpe",
                  group: str = "fold"):
         self.directory = Path(directory).absolute()
+        self._async = async_save
+        self._last_started: int | None = None
         bad = unsafe_path_chars(self.directory)
         if bad:
             raise CheckpointError(f"checkpoint directory {self.directory}: the path holds "
@@ -527,8 +540,18 @@ class Checkpointer:
         try:
             self._mngr.save(int(step), args=args, metrics=metrics, force=True)
         except Exception as e:
-            raise CheckpointError(f"cannot save checkpoint step {step} in {self.directory}: "
+            # An asynchronous save's failure surfaces at the next save: name both steps.
+            prev = self._last_started
+            what = f"checkpoint step {step}" + (
+                f" (or finish the asynchronous save of step {prev})"
+                if self._async and prev is not None else "")
+            os_error = _os_error_in(e)
+            if os_error is not None:  # the machine, not the input: the CLI's exit code 1
+                raise OSError(os_error.errno, f"cannot save {what} in {self.directory}: "
+                              f"{os_error.strerror or os_error}", os_error.filename) from e
+            raise CheckpointError(f"cannot save {what} in {self.directory}: "
                                   f"{_first_line(e)}") from e
+        self._last_started = int(step)
         self._metrics[int(step)] = metrics
 
     def _step_dir(self, step: int) -> Path:
