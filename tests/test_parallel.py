@@ -56,6 +56,15 @@ def test_every_device_resolves_to_the_count_present_and_names_it_in_errors():
                                           r"3\): env.n_envs = 16, train.batch_size = 32, "):
         resolve_n_devices(tiny_config("parallel.n_devices=0"), ["d0", "d1", "d2"])
     assert resolve_n_devices(tiny_config("parallel.n_devices=0"), ["d0", "d1"]) == 2
+    # A Config built in Python skips the file loader's checks: the count is checked here too
+    # (a batch of 33 on 2 devices was silently drawn as 2 × 16).
+    import dataclasses
+
+    cfg = tiny_config("parallel.n_devices=2")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=33))
+    with pytest.raises(ConfigError, match=r"^parallel.n_devices = 2: train.batch_size = 33 not "
+                                          r"divisible by 2"):
+        resolve_n_devices(cfg, ["d0", "d1"])
 
 
 def test_the_resolved_device_count_is_part_of_the_checkpoint_fingerprint(monkeypatch):

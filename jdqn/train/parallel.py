@@ -81,8 +81,10 @@ def resolve_n_devices(cfg: Config, devices: list[Any] | None = None) -> int:
         raise ConfigError(f"parallel.n_devices = {want}, but JAX sees {len(devices)} "
                           f"{getattr(devices[0], 'platform', '')} device(s); lower n_devices "
                           "(0 = all of them)")
-    if want == 0:
-        check_divides(cfg, n, f"parallel.n_devices = 0 (every device JAX sees: {n})")
+    # (config files are checked when loaded; a Config built in Python is checked here too, so
+    # a batch that does not divide is never silently cut to D·(B // D))
+    check_divides(cfg, n, f"parallel.n_devices = 0 (every device JAX sees: {n})" if want == 0
+                  else f"parallel.n_devices = {n}")
     return n
 
 
