@@ -144,7 +144,7 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
     schema = _schema_name(meta, path)
     dtype, rtypes = _SCHEMAS[schema]
     ts_out = bool(getattr(meta, "ts_out", False))
-    size = dtype.itemsize + (_TS_OUT_BYTES if ts_out else 0)
+    size = _record_size(dtype, ts_out)
     body = raw[off:]
     if body and len(body) % size == 0:
         rec = np.frombuffer(body, dtype=_padded(dtype, size))
@@ -167,6 +167,11 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
 _TS_OUT_BYTES = 8
 
 
+def _record_size(dtype: np.dtype, ts_out: bool) -> int:
+    """Bytes per record of ``dtype`` in a file written with or without ``ts_out``."""
+    return dtype.itemsize + (_TS_OUT_BYTES if ts_out else 0)
+
+
 def _padded(dtype: np.dtype, size: int) -> np.dtype:
     """``dtype``'s fields at their offsets in records of ``size`` bytes (the rest skipped)."""
     if size == dtype.itemsize:
@@ -180,7 +185,7 @@ def _walked(recs: list, schema: str, ts_out: bool, path: Path) -> np.ndarray:
     """The decoded records of ``schema``'s record type as its structured array, each record's
     ``ts_out`` suffix dropped; a record of another size is an error, not a misread."""
     dtype, rtypes = _SCHEMAS[schema]
-    size = dtype.itemsize + (_TS_OUT_BYTES if ts_out else 0)
+    size = _record_size(dtype, ts_out)
     parts = []
     for i, r in enumerate(recs[1:]):
         if int(getattr(r, "rtype", -1)) not in rtypes:

@@ -224,10 +224,11 @@ def _stratified_slots(local: jax.Array, block_cum: jax.Array, stratum: jax.Array
     a block edge the rounded ``m`` may pick the neighbour; the offset's sign moves it back."""
     g, s = local.shape
     total = block_cum[-1]
-    hi, lo = _split_segment(total / batch, batch)
+    seg = total / batch
+    hi, lo = _split_segment(seg, batch)
     i = stratum.astype(jnp.float32)
     a = i * hi
-    b = i * lo + uniform * (total / batch)
+    b = i * lo + uniform * seg
     m = jnp.clip(a + b, 0.0, jnp.nextafter(total, jnp.float32(0)))
     blk = jnp.minimum(_first_above(lambda j: block_cum[j], m, g), g - 1)
 
