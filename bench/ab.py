@@ -79,7 +79,8 @@ def parse_variants(specs: list[str], envs: list[str]) -> dict[str, dict[str, Any
 
 def git_identity(d: str) -> dict[str, Any]:
     """The commit of the checkout at ``d`` and whether its tracked files have changes; both
-    None where ``d`` is not inside a git checkout (a plain copy)."""
+    None where ``d`` is not the top of a git checkout (a plain copy, e.g. a ``git archive``
+    unpacked inside another checkout, which would otherwise report that checkout's commit)."""
     def git(*args: str) -> str | None:
         try:
             p = subprocess.run(["git", "-C", d, *args], capture_output=True, text=True,
@@ -88,6 +89,9 @@ def git_identity(d: str) -> dict[str, Any]:
             return None
         return p.stdout.strip() if p.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(d):
+        return {"commit": None, "dirty": None}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"commit": commit, "dirty": None if status is None else bool(status)}

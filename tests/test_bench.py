@@ -3,6 +3,7 @@ the timings themselves are not asserted — benchmarks measure, tests check)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -139,6 +140,27 @@ def test_ab_harness_alternates_variants_and_writes_every_run_into_one_json(tmp_p
     assert printed["variants"]["b"]["env"] == {"FAKE_MS": "2.5"}
     assert printed["variants"]["a"]["commit"] is None  # a plain directory, not a checkout
     assert printed["device"] == "fake device" and printed["complete"] is True
+
+
+def test_ab_harness_names_a_commit_only_for_the_top_of_a_checkout(tmp_path):
+    """A plain copy unpacked inside another checkout (``git archive … | tar -x -C .ab/base``)
+    has no commit of its own: it must not be recorded with the enclosing checkout's commit."""
+    spec = importlib.util.spec_from_file_location("ab_bench", REPO / "bench" / "ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    repo, copy = tmp_path / "repo", tmp_path / "repo" / ".ab" / "base"
+    copy.mkdir(parents=True)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (repo / "f.txt").write_text("1\n")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "c"], check=True)
+    head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert ab.git_identity(str(repo)) == {"commit": head, "dirty": False}
+    (repo / "f.txt").write_text("2\n")
+    assert ab.git_identity(str(repo)) == {"commit": head, "dirty": True}
+    assert ab.git_identity(str(copy)) == {"commit": None, "dirty": None}
 
 
 @pytest.mark.parametrize("args,message", [
