@@ -61,3 +61,11 @@ def _no_cache_writes_in_test_processes():
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` (each 30–120 s on 2 cores, most of it compilation) run first:
+    pytest-xdist hands out tests in collection order, so with the long ones at the front the
+    workers finish on short tests together instead of one waiting on the other's last long
+    test. The order within each group is the collection order (a stable sort)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

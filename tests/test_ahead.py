@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import tiny_config
 
 from jdqn.train.ahead import Ahead
@@ -48,6 +49,7 @@ def _run(tmp_path: Path, name: str, ahead: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_run_compiling_ahead_is_the_same_run_with_no_program_compiled_twice(tmp_path):
     on = _run(tmp_path, "on", "1")
     off = _run(tmp_path, "off", "0")

@@ -479,6 +479,7 @@ def test_backtest_bench_compares_chunk_lengths_on_the_same_records(tmp_path):
             assert row[k] > 0, k
 
 
+@pytest.mark.slow
 def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
     printed = _bench(tmp_path, "replay.py", "--capacity", "5000", "--batch", "256", "--reps", "3")
     assert printed["capacity"] == 5000 and printed["batch"] == 256

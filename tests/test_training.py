@@ -164,6 +164,7 @@ def _assert_trees_match(a, b, rtol=1e-6):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_seeds_ready_for_updates_at_different_iterations_train_as_vmapped_iterations():
     """Several seeds whose replays become ready at different iterations (one fresh, one a
     trained epoch ahead): while only one is ready, the updates run for both and are kept for
@@ -205,6 +206,7 @@ def test_seeds_ready_for_updates_at_different_iterations_train_as_vmapped_iterat
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_one_seed_job_runs_its_epochs_without_a_seed_mask(tmp_path, monkeypatch):
     """One seed is always active while its fold runs (the fold ends when it stops), so the job
     passes no mask: with one, the epoch keeps its input state alive to select from (one more
@@ -317,6 +319,7 @@ def test_seeds_get_independent_streams_in_one_program():
     assert not np.array_equal(np.asarray(state.env.t[0]), np.asarray(state.env.t[1]))
 
 
+@pytest.mark.slow
 def test_same_seed_is_bitwise_identical_and_different_seeds_differ(tmp_path):
     a = job_lib.run_job(tiny_config(), tmp_path / "a", quiet=True)
     b = job_lib.run_job(tiny_config(), tmp_path / "b", quiet=True)
