@@ -231,3 +231,42 @@ def test_baselines_through_one_program_equal_each_baseline_alone():
         for f in dataclasses.fields(bt.BacktestResult):
             np.testing.assert_array_equal(getattr(res, f.name), getattr(alone, f.name),
                                           err_msg=f"{name}.{f.name}")
+
+
+def test_a_wiped_out_account_holds_trades_and_pays_nothing_after_that_bar(tmp_path):
+    """Buy and hold $400 of equity through a 10-point fall (−$500 on one ES contract), then a
+    110-point rise: the account is gone at the fall, so the report must not count the rise —
+    its return −1 there, then flat records, dollar and trading figures that stop there too."""
+    from jdqn.evaluate import write_report
+
+    t_len = 60
+    c = np.r_[np.full(5, 1600.0), np.linspace(1600, 1590, 6)[1:],
+              np.linspace(1590, 1700, t_len - 10)]
+    o = np.r_[c[0], c[:-1]]
+    cfg = EnvConfig(contract_multiplier=50.0, initial_equity=400.0, spread_ticks=0,
+                    slippage_ticks=0, commission=0)
+    params = E.make_params(np.zeros((t_len, 2), np.float32), o, np.maximum(o, c) + 0.25,
+                           np.minimum(o, c) - 0.25, c, cfg, state_width=16)
+    res = run_baselines(params, EvalConfig(), lo=0, hi=t_len,
+                        names=("buy_and_hold",))["buy_and_hold"]
+    cash = cfg.initial_equity + np.cumsum(res.net_pnl)
+    j = res.wiped_out_at
+    assert j is not None and cash[j] <= 0 and (cash[:j] > 0).all()
+    assert res.returns[j] == -1.0 and (res.returns[j + 1:] == 0).all()
+    for name in ("position", "fill_qty", "net_pnl", "gross_pnl", "commission", "spread_cost",
+                 "holding_cost", "closed_trade_pnl"):
+        assert (getattr(res, name)[j + 1:] == 0).all(), name
+    assert not res.filled[j + 1:].any() and not res.trade_closed[j + 1:].any()
+    m = compute_metrics(res, 252.0)
+    assert m["total_return"] == -1.0 and m["wiped_out_bar"] == int(res.bar[j])
+    # the dollar figures end where the returns do: a loss of at least the whole equity
+    assert m["net_pnl"] == pytest.approx(cash[j] - cfg.initial_equity)
+    assert m["net_pnl"] <= -cfg.initial_equity
+    assert m["n_fills"] == int(res.filled[:j + 1].sum()) and m["n_trades"] == 0
+    assert m["exposure"] == pytest.approx((j + 1) / res.n_bars)
+    report = write_report(tmp_path, None, res, {}, [], 252.0)
+    assert report["test"]["wiped_out_bar"] == int(res.bar[j])
+    assert f"equity reached zero at bar {int(res.bar[j])}" in (tmp_path / "summary.md").read_text()
+    fine = run_baselines(params, EvalConfig(), lo=0, hi=8, names=("buy_and_hold",))
+    assert fine["buy_and_hold"].wiped_out_at is None
+    assert compute_metrics(fine["buy_and_hold"], 252.0)["wiped_out_bar"] is None

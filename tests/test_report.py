@@ -98,3 +98,18 @@ def test_seed_summary_aggregates_per_seed_test_metrics(tmp_path, backtests):
     assert text.startswith("# Out-of-sample report") and "## Across seeds" in text
     with pytest.raises(ValueError, match="≥ 2 seeds"):
         write_seed_summary(top, [7], [r0])
+
+
+def test_without_timestamps_the_report_is_indexed_by_bar_number(tmp_path, backtests):
+    """``write_report(…, timestamps=None, …)``: the files are indexed by the bars' numbers in
+    the original series (``strategy.bar``: here 51…299), not by row numbers 0…n−1."""
+    _, strategy, baselines = backtests
+    report = write_report(tmp_path, None, strategy, baselines, [], 98_280.0)
+    df = pd.read_csv(tmp_path / "returns.csv")
+    assert df.columns[0] == "bar" and list(df.columns).count("bar") == 1
+    assert "timestamp" not in df.columns
+    assert (df["bar"].to_numpy() == strategy.bar).all() and strategy.bar[0] == 51
+    period = report["period"]
+    assert period["start"] == str(period["first_bar"]) == "51"
+    assert period["end"] == str(period["last_bar"]) == str(int(strategy.bar[-1]))
+    assert f"period 51 → {int(strategy.bar[-1])}" in (tmp_path / "summary.md").read_text()

@@ -91,6 +91,11 @@ class BacktestResult:
     initial_equity: float
     max_position: float
     stride: int = 1
+    # Index (into these records) of the bar at whose close equity first reached ≤ 0, or None.
+    # The account is closed there: that bar's return is −1, and every record after it is flat
+    # (no position, fill, trade, PnL or cost); the decisions the policy went on returning after
+    # it are kept in ``actions`` but not counted by the metrics.
+    wiped_out_at: int | None = None
 
     @property
     def n_bars(self) -> int:
@@ -314,17 +319,27 @@ def _assemble(flat: dict[str, np.ndarray], params: EnvParams, bar_map: np.ndarra
     prev = np.r_[cfg.initial_equity, equity[:-1]]
     with np.errstate(divide="ignore", invalid="ignore"):
         returns = net / prev
-    if (equity <= 0).any():  # equity wiped out: the loss is total, nothing after it counts
-        j = int(np.argmax(equity <= 0))
-        returns[j] = -1.0
-        returns[j + 1:] = 0.0
     bar = flat["bar"].astype(np.int64)
     if bar_map is not None:
         bar = bar_map[bar]
     f64 = {k: flat[k].astype(np.float64) for k in _RECORDED if k not in
            ("bar", "filled", "trade_closed")}
+    filled = flat["filled"].astype(bool)
+    trade_closed = flat["trade_closed"].astype(bool)
+    wiped = None
+    if (equity <= 0).any():  # equity wiped out: the loss is total, nothing after it counts
+        wiped = int(np.argmax(equity <= 0))
+        returns[wiped] = -1.0
+        returns[wiped + 1:] = 0.0
+        # The env traded on (it knows no account); the account itself closed at that bar, so
+        # its records after it are flat — the dollar and trading metrics then agree with the
+        # returns instead of counting trades made with money that was gone.
+        for k, values in f64.items():
+            if k != "fill_price":
+                values[wiped + 1:] = 0.0
+        filled[wiped + 1:] = False
+        trade_closed[wiped + 1:] = False
     return BacktestResult(
-        bar=bar, returns=returns, filled=flat["filled"].astype(bool),
-        trade_closed=flat["trade_closed"].astype(bool),
+        bar=bar, returns=returns, filled=filled, trade_closed=trade_closed,
         actions=np.asarray(flat["action"]).astype(np.int32), initial_equity=cfg.initial_equity,
-        max_position=cfg.max_position, stride=stride, **f64)
+        max_position=cfg.max_position, stride=stride, wiped_out_at=wiped, **f64)

@@ -191,7 +191,9 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
     with net PnL > 0, ``mean_holding_bars`` bars in a position per entry, ``exposure`` share of
     time in a position, ``turnover`` mean |Δposition| / max_position per bar (and per year),
     ``cost_share`` total costs / |gross PnL| (> 1: costs exceed the gross edge), dollar totals,
-    mean sizing scale, and the action distribution per branch.
+    mean sizing scale, the action distribution per branch, and ``wiped_out_bar``: the bar at
+    which equity reached ≤ 0 (None if it never did; the decisions' shares and the sizing scale
+    are over the bars up to it).
 
     For a backtest ``result``, ``periods_per_year`` must be for the stride it ran at: a
     :class:`PeriodsPerYear` of the same stride (as :func:`periods_per_year` returns it), or a
@@ -212,6 +214,10 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
             f"stride; a plain number cannot show that it was")
     out: dict[str, Any] = return_metrics(res.returns, periods_per_year)
     n = max(res.n_bars, 1)
+    # A wiped-out account (equity ≤ 0) decided nothing after that bar: the decisions' shares
+    # and the sizing scale are over the bars up to it (its records after it are flat).
+    wiped = getattr(res, "wiped_out_at", None)
+    live = res.n_bars if wiped is None else wiped + 1
     sign = np.sign(res.position)
     prev = np.r_[0.0, sign[:-1]]
     entries = int(((sign != 0) & (sign != prev)).sum())
@@ -236,9 +242,10 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
         commission=float(res.commission.sum()), spread_cost=float(res.spread_cost.sum()),
         holding_cost=float(res.holding_cost.sum()),
         cost_share=float(costs / abs(gross)) if gross != 0 else float("nan"),
-        mean_size_scale=float(res.size_scale.mean()) if res.n_bars else float("nan"),
-        mean_abs_intended=float(np.abs(res.intended_position).mean()) if res.n_bars else 0.0,
+        mean_size_scale=float(res.size_scale[:live].mean()) if live else float("nan"),
+        mean_abs_intended=float(np.abs(res.intended_position[:live]).mean()) if live else 0.0,
         mean_abs_position=float(np.abs(res.position).mean()) if res.n_bars else 0.0,
-        actions=action_distribution(res.actions),
+        actions=action_distribution(res.actions[:live]),
+        wiped_out_bar=None if wiped is None else int(res.bar[wiped]),
     )
     return out

@@ -38,9 +38,12 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def _timestamps(timestamps: Any, n: int) -> pd.Index:
+def _timestamps(timestamps: Any, bar: np.ndarray) -> pd.Index:
+    """The report's index: the bars' close times, or without them the bars' own numbers in the
+    original series (``BacktestResult.bar``), named ``bar``."""
+    n = len(bar)
     if timestamps is None:
-        return pd.RangeIndex(n, name="timestamp")
+        return pd.Index(np.asarray(bar, np.int64), name="bar")
     ts = np.asarray(timestamps)
     if len(ts) != n:
         raise ValueError(f"timestamps has {len(ts)} entries, the backtest {n} bars")
@@ -63,7 +66,8 @@ def write_report(out_dir: str | Path, timestamps: Any, strategy: BacktestResult,
     """Write the report folder and return the ``report.json`` content.
 
     ``timestamps``: close time of each return bar (``int64`` ns since epoch, datetimes, or
-    ``None`` for bar numbers), aligned with ``strategy.bar``; every baseline must cover the same
+    ``None``: then the bar numbers ``strategy.bar`` index the files, and ``period`` gives them
+    as its start and end), aligned with ``strategy.bar``; every baseline must cover the same
     bars. ``fold_metrics``: per-fold validation metric dicts from the trainer, passed through.
     """
     out = Path(out_dir)
@@ -71,7 +75,7 @@ def write_report(out_dir: str | Path, timestamps: Any, strategy: BacktestResult,
     for name, res in baselines.items():
         if res.n_bars != strategy.n_bars or not np.array_equal(res.bar, strategy.bar):
             raise ValueError(f"baseline {name!r} does not cover the strategy's bars")
-    index = _timestamps(timestamps, strategy.n_bars)
+    index = _timestamps(timestamps, strategy.bar)
 
     test = compute_metrics(strategy, periods_per_year)
     base = {name: compute_metrics(res, periods_per_year) for name, res in baselines.items()}
@@ -86,7 +90,8 @@ def write_report(out_dir: str | Path, timestamps: Any, strategy: BacktestResult,
     })
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
 
-    cols = {"bar": strategy.bar, "strategy_return": strategy.returns,
+    cols = {} if index.name == "bar" else {"bar": strategy.bar}  # (no timestamps: the index)
+    cols |= {"strategy_return": strategy.returns,
             "position": strategy.position, "intended_position": strategy.intended_position,
             "fill_qty": strategy.fill_qty, "net_pnl": strategy.net_pnl,
             "costs": strategy.total_costs, "equity": strategy.equity}
@@ -193,6 +198,12 @@ def _summary(path: Path, report: dict[str, Any]) -> None:
              (f"{n} bars, annualisation {ppy:.6g} periods/year, stride {report['stride']}, "
               f"period {report['period']['start']} → {report['period']['end']}."), "",
              *_table("policy", (*SUMMARY_KEYS, "mean_abs_position"), rows), ""]
+    wiped = report["test"].get("wiped_out_bar")
+    if wiped is not None:
+        lines.append(f"**The strategy's equity reached zero at bar {wiped}**: its return there "
+                     "is −1 and the account holds, trades and pays nothing after it; the "
+                     "trading and dollar figures stop there too.")
+        lines.append("")
     if n < ppy:
         lines.append(f"The window is {n / ppy:.2%} of a year: `annual_return` and `calmar` "
                      "compound it up to a year and mean little; read `total_return`, `sharpe` "
