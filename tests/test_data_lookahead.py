@@ -132,6 +132,16 @@ def _perturb_bars(b: Bars, t: int, rng: np.random.Generator) -> Bars:
         arrays[name][k] = rng.integers(1, 999, n)
     arrays["ts"] = arrays["ts"].copy()
     arrays["ts"][k] = b.ts[t] + (b.ts[k] - b.ts[t]) * 3
+    # each later bar's first event somewhere between the previous close and its own
+    prev = np.r_[arrays["ts"][t], arrays["ts"][k][:-1]]
+    arrays["start_ts"] = arrays["start_ts"].copy()
+    arrays["start_ts"][k] = prev + 1 + (arrays["ts"][k] - prev - 1) * rng.uniform(0, 1, n)
+    arrays["n_trades"] = arrays["n_trades"].copy()
+    arrays["n_trades"][k] = rng.integers(1, 999, n)
+    changed = {"open", "high", "low", "close", "volume", "buy_volume", "sell_volume", "ts",
+               "start_ts", "n_trades"}
+    # Every field of the bars is changed after t (a field added to Bars must be added here).
+    assert set(arrays) == changed, set(arrays) ^ changed
     return dataclasses.replace(b, **arrays)
 
 
@@ -216,3 +226,23 @@ def test_ofi_at_bar_t_ignores_bar_t_plus_1(tmp_path: Path) -> None:
     later = ofi_of([0.5, 1.5, 2.0 + 1e-9, 3.5], base_a, base_sz, "later.dbn")
     assert list((later.ts - tk.T0) // NS) == [1, 2, 3, 4]
     assert later.n_trades[t] == 1
+
+
+def test_aggressor_volume_unknown_at_some_bars_only_is_refused() -> None:
+    """Whether the order-flow features exist is one switch for the whole series; a bar of
+    unknown aggressor volume after t would turn them off (zero-fill them) at t as well. So a
+    series with the volumes known at some bars and not at others is refused, naming the bar,
+    and one with them unknown everywhere builds with the flow features zero-filled."""
+    from jdqn.errors import DataError
+
+    b = load_bars(DataConfig(synthetic=SyntheticConfig(n_bars=800, seed=3)))
+    f = build_features(b, SMALL)
+    for name in ("buy_volume", "sell_volume"):
+        x = getattr(b, name).copy()
+        x[700] = np.nan
+        with pytest.raises(DataError, match=f"{name} is unknown \\(NaN\\) at bar 700"):
+            build_features(dataclasses.replace(b, **{name: x}), SMALL)
+    nan = np.full(len(b), np.nan)
+    g = build_features(dataclasses.replace(b, buy_volume=nan, sell_volume=nan), SMALL)
+    flow = [i for i, n in enumerate(g.names) if n.startswith("flow_imb")]
+    assert flow and (g.values[:, flow] == 0).all() and (f.values[:, flow] != 0).any()

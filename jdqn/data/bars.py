@@ -117,13 +117,24 @@ class Bars:
                 if isinstance(getattr(self, f.name), np.ndarray)}
 
     def check(self) -> Bars:
-        """Assert the table's invariants (ascending unique ts, shapes); returns self."""
+        """Assert the table's invariants (ascending unique ts, shapes, aggressor volumes known
+        for every bar or for none); returns self."""
         t = len(self)
         for name, v in self.arrays().items():
             if v.shape[0] != t:
                 raise DataError(f"{self.source}: bar field {name} has {v.shape[0]} rows, not {t}")
         if t and not (self.ts[1:] > self.ts[:-1]).all():  # not np.diff: int64 can wrap
             raise DataError(f"{self.source}: bar close times are not strictly ascending")
+        # Whether the order-flow features exist is decided for the whole series (has_flow): a
+        # bar of unknown aggressor volume after bar t would switch them off at t too, a
+        # dependence on the future. So the volumes are known everywhere or nowhere.
+        for name in ("buy_volume", "sell_volume"):
+            unknown = np.isnan(getattr(self, name))
+            if unknown.any() and not unknown.all():
+                first = int(np.flatnonzero(unknown)[0])
+                raise DataError(f"{self.source}: {name} is unknown (NaN) at bar {first} but "
+                                f"known at others: the aggressor volumes must be known for "
+                                f"every bar or for none")
         return self
 
 

@@ -183,6 +183,7 @@ def warmup_rows(cfg: FeaturesConfig) -> int:
 
 def build_features(bars: Bars, cfg: FeaturesConfig) -> FeatureSet:
     """All features for every bar (see the module docstring). float32 [T, F]."""
+    bars.check()  # (a hand-built Bars too: e.g. partly unknown aggressor volumes)
     t_len = len(bars)
     warm = warmup_rows(cfg)
     if t_len <= warm:

@@ -122,7 +122,7 @@ class EnvState:
     trade_pnl: jax.Array  # f32 [N]: $ net PnL of the open trade (0 when flat)
     time_in_pos: jax.Array  # i32 [N]: bars since the open trade was entered
     last_dir: jax.Array  # i32 [N]: sign of the last non-hold direction (−1, 0, +1)
-    n_trades: jax.Array  # i32 [N]: closed trades (kept across auto-resets; Kelly)
+    n_trades: jax.Array  # i32 [N]: closed trades in this episode (Kelly; reset with it)
     n_wins: jax.Array  # i32 [N]
     sum_win: jax.Array  # f32 [N]: $ sum of winning closed trades
     sum_loss: jax.Array  # f32 [N]: $ sum of |losing closed trades|
