@@ -499,3 +499,28 @@ def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "replay.py"), "--impls", "cuda"],
                          check=False, capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "--impls 'cuda'" in bad.stderr
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_row_independence_check_passes_the_network_and_catches_a_coupled_one(impl,
+                                                                             monkeypatch):
+    """``bench/row_independence.py`` (run on the GPU for the compiled kernels): on CPU, with
+    XLA's ops or the Pallas kernels (interpreted), row 0's decision, aux and Q do not move when
+    the other rows change; a policy that mixes in the batch mean (what a cross-row kernel bug
+    would do: a later window's bars reaching an earlier window's decision) is caught."""
+    import dataclasses
+
+    from helpers import tiny_config
+
+    spec = importlib.util.spec_from_file_location("row_bench", REPO / "bench" /
+                                                  "row_independence.py")
+    rb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rb)
+    cfg = tiny_config()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, impl=impl))
+    assert rb.check(cfg, 16) == {"rows": 16, "row0_unchanged": True, "others_changed": True}
+    honest = rb.greedy_policy
+    monkeypatch.setattr(rb, "greedy_policy",
+                        lambda learner, p, o: honest(learner, p, o + o.mean(0)))
+    # (the Q read beside it stays honest; the coupled action and aux must be caught)
+    assert rb.check(cfg, 16)["row0_unchanged"] is False
