@@ -113,6 +113,10 @@ def test_a_real_epoch_record_carries_every_documented_diagnostic(tmp_path):
     util = rec["moe"]["utilisation"]
     assert len(util) == cfg.model.n_experts and math.isclose(sum(util), 1.0, rel_tol=1e-5)
     assert 0 <= rec["moe"]["entropy"] <= math.log(cfg.model.n_experts) + 1e-6
+    # the entropy of the batch's mean gate (what drives λ_eff) is at least the mean per-sample
+    # gate entropy (concavity), and at most log K
+    ent_u = rec["moe"]["util_entropy"]
+    assert rec["moe"]["entropy"] - 1e-5 <= ent_u <= math.log(cfg.model.n_experts) + 1e-6
     assert rec["moe"]["lambda_eff"] >= cfg.train.moe_lambda_floor * (1 - 1e-5)  # float32 mean
     assert set(rec["size"]["factors"]) >= {"conviction", "cvar", "kelly", "variance"}
     assert rec["size"]["abs_realised"] <= rec["size"]["abs_intended"] + 1e-9
