@@ -216,7 +216,7 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
     n = max(res.n_bars, 1)
     # A wiped-out account (equity ≤ 0) decided nothing after that bar: the decisions' shares
     # and the sizing scale are over the bars up to it (its records after it are flat).
-    wiped = getattr(res, "wiped_out_at", None)
+    wiped = res.wiped_out_at
     live = res.n_bars if wiped is None else wiped + 1
     sign = np.sign(res.position)
     prev = np.r_[0.0, sign[:-1]]
@@ -243,7 +243,7 @@ def compute_metrics(result: Any, periods_per_year: float) -> dict[str, Any]:
         holding_cost=float(res.holding_cost.sum()),
         cost_share=float(costs / abs(gross)) if gross != 0 else float("nan"),
         mean_size_scale=float(res.size_scale[:live].mean()) if live else float("nan"),
-        mean_abs_intended=float(np.abs(res.intended_position[:live]).mean()) if live else 0.0,
+        mean_abs_intended=float(np.abs(res.intended_position).mean()) if res.n_bars else 0.0,
         mean_abs_position=float(np.abs(res.position).mean()) if res.n_bars else 0.0,
         actions=action_distribution(res.actions[:live]),
         wiped_out_bar=None if wiped is None else int(res.bar[wiped]),
