@@ -723,7 +723,12 @@ def dumps_toml(cfg: Config) -> str:
 UNSAFE_PATH_CHARS = "[]\\"
 
 
-def unsafe_path_chars(path: str | Path) -> str:
-    """The characters of ``path`` (made absolute) that orbax checkpoints cannot live under."""
+def checkpoint_path_problem(path: str | Path) -> str | None:
+    """Why orbax checkpoints could not live under ``path`` (made absolute), or None: the
+    :data:`UNSAFE_PATH_CHARS` it holds, in one message for every caller."""
     text = str(Path(path).absolute())
-    return "".join(sorted({c for c in text if c in UNSAFE_PATH_CHARS}))
+    bad = sorted({c for c in text if c in UNSAFE_PATH_CHARS})
+    if not bad:
+        return None
+    return (f"the path holds {' '.join(repr(c) for c in bad)}, which the checkpoint library "
+            "(orbax) reads as glob or path syntax, so checkpoints there could never be restored")

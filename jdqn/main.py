@@ -26,10 +26,10 @@ from pathlib import Path
 from jdqn.config import (
     Config,
     ConfigError,
+    checkpoint_path_problem,
     config_from_dict,
     dumps_toml,
     load_config,
-    unsafe_path_chars,
 )
 from jdqn.errors import JdqnError
 
@@ -86,13 +86,11 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
     The default folder, ``runs/<config name>/<timestamp>[-N]``, is created here, and only if it
     did not exist: two runs started in the same second get a folder each."""
     where = default_runs_dir(cfg_path) if output_dir is None else Path(output_dir)
-    bad = unsafe_path_chars(where)
-    if bad:  # refused before anything is written: checkpoints there could never be restored
+    problem = checkpoint_path_problem(where)
+    if problem:  # refused before anything is written
         what = f"--output-dir {output_dir}" if output_dir is not None else \
             f"the run folder {where} (from the config file's name)"
-        raise ConfigError(f"{what}: the path holds {' '.join(repr(c) for c in bad)}, which the "
-                          "checkpoint library (orbax) reads as glob or path syntax, so the "
-                          "run's checkpoints could never be restored; choose a path without them")
+        raise ConfigError(f"{what}: {problem}; choose a path without them")
     if output_dir is None:
         if resume:
             raise ConfigError("--resume needs --output-dir naming the run to continue")

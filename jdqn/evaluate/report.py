@@ -90,7 +90,7 @@ def write_report(out_dir: str | Path, timestamps: Any, strategy: BacktestResult,
     })
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
 
-    cols = {} if index.name == "bar" else {"bar": strategy.bar}  # (no timestamps: the index)
+    cols = {} if timestamps is None else {"bar": strategy.bar}  # (else the bars index it)
     cols |= {"strategy_return": strategy.returns,
             "position": strategy.position, "intended_position": strategy.intended_position,
             "fill_qty": strategy.fill_qty, "net_pnl": strategy.net_pnl,

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jdqn.config import unsafe_path_chars
+from jdqn.config import checkpoint_path_problem
 from jdqn.errors import CheckpointError
 
 PyTree = Any
@@ -441,12 +441,10 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self._async = async_save
         self._last_started: int | None = None
-        bad = unsafe_path_chars(self.directory)
-        if bad:
-            raise CheckpointError(f"checkpoint directory {self.directory}: the path holds "
-                                  f"{' '.join(repr(c) for c in bad)}, which orbax reads as glob "
-                                  "or path syntax, so its checkpoints could never be restored; "
-                                  "use a folder whose path has none")
+        problem = checkpoint_path_problem(self.directory)
+        if problem:
+            raise CheckpointError(f"checkpoint directory {self.directory}: {problem}; use a "
+                                  "folder whose path has none")
         self.schema = fingerprint
         self.metric = metric
         self.group = group
