@@ -139,3 +139,29 @@ def test_a_real_epoch_record_carries_every_documented_diagnostic(tmp_path):
         return x is not None and math.isfinite(x)
 
     assert finite(rec), rec
+
+
+def test_a_resumed_runs_progress_bar_starts_where_the_killed_run_stood():
+    """The bar counts plan_epochs = folds × epochs_per_fold; a fold that stops early advances
+    it past its skipped epochs. The loop states a run checkpoints (3 folds of 4 epochs; fold 0
+    stops early after epoch 1, fold 1 runs in full, fold 2 stops after epoch 2), each with the
+    bar's position when that checkpoint is written; a resume from it must start there."""
+    from jdqn.train.job import epochs_done
+
+    def state(fold, epoch, done, global_epoch):
+        return {"fold": fold, "epoch": epoch, "fold_done": done, "global_epoch": global_epoch}
+
+    checkpoints = [
+        (state(0, 0, False, 1), 1),
+        (state(0, 1, True, 2), 4),  # early stop: epochs 2 and 3 skipped, the bar jumps
+        (state(1, 0, False, 3), 5),
+        (state(1, 3, True, 6), 8),
+        (state(2, 1, False, 8), 10),
+        (state(2, 2, True, 9), 12),  # the bar ends full
+    ]
+    assert epochs_done(state(0, -1, False, 0), 4) == 0  # a fresh run
+    for progress, bar in checkpoints:
+        assert epochs_done(progress, 4) == bar, progress
+    # global_epoch (what the bar was advanced by before) falls behind after an early stop
+    assert [p["global_epoch"] for p, _ in checkpoints] != [b for _, b in checkpoints]
+

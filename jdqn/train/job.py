@@ -299,7 +299,7 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
                                LoggingConfig(False, False, False), plan_epochs(cfg),
                                quiet=quiet or not primary,
                                resume_epoch=progress["global_epoch"] if resume else None)
-        logger.advance(progress["global_epoch"])
+        logger.advance(epochs_done(progress, cfg.train.epochs_per_fold))
         # Started once the run's folders, logs and any restore are in place, so that an error
         # there does not wait for a compilation.
         ahead = _compile_ahead(cfg, p, epoch_fn, abstract, env_params)
@@ -394,6 +394,15 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
 
 def plan_epochs(cfg: Config) -> int:
     return cfg.train.n_folds * cfg.train.epochs_per_fold
+
+
+def epochs_done(progress: dict[str, Any], epochs_per_fold: int) -> int:
+    """Where the progress bar (of :func:`plan_epochs` epochs) stands for a run's loop state:
+    a finished fold counts in full, its early-stopped epochs too, so a resumed run's bar starts
+    where the killed run's stood and ends full (``global_epoch`` counts trained epochs only)."""
+    if progress["fold_done"]:
+        return (progress["fold"] + 1) * epochs_per_fold
+    return progress["fold"] * epochs_per_fold + progress["epoch"] + 1
 
 
 def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckpt,
