@@ -109,6 +109,45 @@ def test_limit_at_touch_fills_within_expiry_at_limit_price_with_maker_fee():
     assert i["net_pnl"] == pytest.approx(MULT * (100 - 99.75) - 0.5)
 
 
+def test_an_expired_limit_is_no_longer_reported_as_the_target():
+    # expiry 1: the buy at 99.75 can fill in bar 1 only (low 100.5): expired after that step
+    _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_TOUCH, u=0), act(E.HOLD),
+                                        act(E.HOLD)])
+    for _, _, info in out:
+        assert info["target_position"] == info["position"] == 0.0
+        assert info["intended_position"] == 1.0  # the latest order's unsized target
+
+
+def _run_sized(params, steps):
+    """Steps of (action, conviction): the conviction factor alone sizes each order."""
+    state = E.reset_at(params, jnp.array([0]), jnp.array([8]))
+    out = []
+    for a, gap in steps:
+        aux = E.PolicyAux(q_gap=jnp.array([gap], jnp.float32), q_var=jnp.zeros(1, jnp.float32))
+        port = np.asarray(E.portfolio(params, state))[0]
+        state, _, _, info = E.step(params, state, a, aux)
+        out.append(({k: np.asarray(v)[0] for k, v in info.items()}, port))
+    return out
+
+
+def test_a_fill_lands_exactly_on_its_target_and_a_repeat_order_trades_nothing():
+    # from a = 0.65315694 to −b = −0.95581996 contracts: a + (−b − a) is not −b in float32; the
+    # ulp left over used to trade again (a fill, its commission) when the same order came back,
+    # and a limit order for it showed as a working order in the observation
+    a, b = np.float32(0.65315694), np.float32(0.95581996)
+    assert a + (-b - a) != -b  # the rounding this guards against
+    sized = SizingConfig(conviction=True, variance=False, kelly=False, cvar=False)
+    out = _run_sized(make(sizing=sized, commission=2.0, spread_ticks=1),
+                     [(act(E.LONG), a), (act(E.SHORT), b), (act(E.SHORT), b),
+                      (act(E.SHORT, o=E.LIMIT_PASSIVE), b), (act(E.HOLD), b)])
+    assert out[1][0]["position"] == -b == out[1][0]["target_position"]
+    assert out[1][0]["fill_qty"] == -b - a  # the quantity traded is unchanged
+    for info, _ in out[2:]:
+        assert not info["filled"] and info["fill_qty"] == 0 and info["commission"] == 0
+        assert info["position"] == -b
+    assert np.all(out[4][1][4:] == 0)  # no working order in the observation
+
+
 def test_passive_limit_is_one_tick_further():
     _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_PASSIVE, u=1), act(E.HOLD)])
     assert out[1][2]["fill_price"] == 99.5

@@ -115,7 +115,7 @@ class EnvState:
     t: jax.Array  # i32 [N]: current bar (decisions are made at its close)
     last: jax.Array  # i32 [N]: final decision bar; the step from it liquidates and ends
     position: jax.Array  # f32 [N]: signed contracts held
-    target: jax.Array  # f32 [N]: sized target of the live order (= position once filled)
+    target: jax.Array  # f32 [N]: sized target of the live order; the position when none is live
     intended: jax.Array  # f32 [N]: unsized target (direction × magnitude × max_position)
     pend_price: jax.Array  # f32 [N]: limit price of the live limit order
     pend_left: jax.Array  # i32 [N]: bars the live limit order may still fill in (0 = none)
@@ -439,9 +439,14 @@ def step(params: EnvParams, state: EnvState, action: jax.Array, aux: PolicyAux
                                 h1 > pend_price + through)
     filled = mkt_fill | lim_fill
     ref_price = jnp.where(mkt_fill, o1, pend_price)
-    dq = jnp.where(filled, target - pos, 0.0)
-    pos1 = pos + dq
+    # A fill lands on the target exactly: pos + (target − pos) rounds off it in float32 for
+    # about one position in six, and the ulp left over read as a live order and traded again.
+    pos1 = jnp.where(filled, target, pos)
+    dq = pos1 - pos
     pend_left = jnp.where(filled, 0, jnp.maximum(pend_left - 1, 0))
+    # No live order left (filled, market, expired): the target is the position held, so an
+    # expired limit is no longer reported as one.
+    target = jnp.where(pend_left > 0, target, pos1)
     adq = jnp.abs(dq)
 
     # Dollar PnL over bar t+1 and its costs.
