@@ -524,3 +524,40 @@ def test_row_independence_check_passes_the_network_and_catches_a_coupled_one(imp
                         lambda learner, p, o: honest(learner, p, o + o.mean(0)))
     # (the Q read beside it stays honest; the coupled action and aux must be caught)
     assert rb.check(cfg, 16)["row0_unchanged"] is False
+
+
+def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
+    """bench/fused_grn.py's whole-block kernel (Pallas' interpreter) and its XLA path compute
+    what GRNBlock computes with the same parameters, float32 and bf16; the script runs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jdqn.networks.trunk import GRNBlock
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("fused_grn", REPO / "bench" / "fused_grn.py")
+    fg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fg)
+    h, m = 32, 48
+    x = jax.random.normal(jax.random.key(1), (m, h))
+    for dtype, tol in (("float32", 2e-5), ("bfloat16", 0.05)):
+        block = GRNBlock(width=h, matmul_dtype=dtype, impl="xla", grad_free=True)
+        params = block.init(jax.random.key(0), x)["params"]
+        params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2),
+                                                                     p.shape), params)
+        want = np.asarray(block.apply({"params": params}, x).astype(jnp.float32))
+        w = params["fc"]["kernel"] @ params["glu"]["kernel"]
+        b = params["fc"]["bias"] @ params["glu"]["kernel"] + params["glu"]["bias"]
+        xd = x.astype(dtype)
+        args = (xd, params["fc_elu"]["kernel"], params["fc_elu"]["bias"], w, b,
+                params["norm"]["scale"], params["norm"]["bias"])
+        got = fg.fused(*args, rows=16, warps=4, chunk=16, stages=2, interpret=True)
+        ref = fg.xla_path(*args, interpret=True)
+        for out in (got, ref):
+            np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, atol=tol,
+                                       rtol=tol, err_msg=dtype)
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "32",
+                 "--width", "32", "--tiles", "16/4/16/2", "--interpret")
+    assert out["interpret"] and set(out["results"]) == {"xla", "fused_r16_w4_c16_s2"}
+    assert out["results"]["fused_r16_w4_c16_s2"]["max_abs_diff"] < 0.05

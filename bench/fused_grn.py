@@ -1,0 +1,172 @@
+"""A whole GRN block's grad-free forward as one Pallas kernel against XLA's path (research).
+
+The question it answers: do kernels that keep activations on chip across consecutive layers —
+the route ``docs/model.md`` names for the update's H200 targets — beat XLA's one-GEMM-per-layer
+path at the update's shapes when written in Pallas (Triton lowering)? The block
+(:class:`jdqn.networks.trunk.GRNBlock`, grad-free as in the paired forward at s′)::
+
+    η   = ELU(x W_fc + b_fc)                 [M, H]
+    y   = η W + b                            [M, 2H]   (W = W1·W45, the fold the model forms)
+    out = LayerNorm(x + σ(y_g) ⊙ y_v)         [M, H]
+
+XLA's path (what the model runs on the GPU): a GEMM with the bias + ELU fused after it, the
+folded GEMM, and the tail as ``jdqn.pallas.grn_tail``'s kernel. The fused kernel reads ``x``
+and writes ``out`` once per row tile; η and y never leave the chip: per chunk of ``chunk``
+hidden columns it forms η's chunk (one dot over all H inputs), then adds that chunk's share of
+both GLU halves into two ``[rows, H]`` float32 accumulators, and ends with the tail. Operands
+are the model's (bf16 under bf16 matmuls, η rounded to bf16 as the model stores it; float32 at
+default precision, TF32 on Hopper). ``--pair`` vmaps both over two parameter sets (the online
+and target networks), as the update does.
+
+Prints JSON: µs per call for XLA's path and per tile (rows/warps/chunk/stages), with the largest
+difference from XLA's path and a bitwise repeat. ``--interpret`` runs the kernel in Pallas'
+interpreter off the GPU (tests: the values, not the times)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+from timing import emit, seconds_per_call
+
+from jdqn.pallas import grn_tail
+
+
+def _elu(z):
+    return jnp.where(z > 0, z, jnp.exp(jnp.minimum(z, 0.0)) - 1.0)
+
+
+def xla_path(x, w_fc, b_fc, w, b, scale, offset, *, interpret=False):
+    """The model's grad-free block: GEMM + bias + ELU, the folded GEMM, the tail kernel (its
+    reference off the GPU unless ``interpret``)."""
+    dt = x.dtype
+    eta = _elu(jnp.dot(x, w_fc.astype(dt), preferred_element_type=jnp.float32)
+               + b_fc).astype(dt)
+    y = jnp.dot(eta, w.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    if jax.default_backend() == "gpu" or interpret:
+        return grn_tail.grn_tail(y, b, x, scale, offset, grn_tail.EPSILON, interpret)
+    return grn_tail.reference(y, b, x, scale, offset)
+
+
+def _kernel(x_ref, wfc_ref, bfc_ref, w_ref, b_ref, scale_ref, offset_ref, o_ref, *,
+            chunk: int, eps: float):
+    f32 = jnp.float32
+    x = x_ref[...]
+    h = x.shape[1]
+    rows = x.shape[0]
+    dt = x.dtype
+    acc_g = jnp.zeros((rows, h), f32)
+    acc_v = jnp.zeros((rows, h), f32)
+    for c in range(h // chunk):  # unrolled: the chunks of η's columns (the second contraction)
+        cols = pl.ds(c * chunk, chunk)
+        eta = _elu(jnp.dot(x, wfc_ref[:, cols], preferred_element_type=f32)
+                   + bfc_ref[:, cols]).astype(dt)
+        acc_g += jnp.dot(eta, w_ref[cols, pl.ds(0, h)], preferred_element_type=f32)
+        acc_v += jnp.dot(eta, w_ref[cols, pl.ds(h, h)], preferred_element_type=f32)
+    if dt == jnp.bfloat16:  # the model stores the product as bf16 before the tail
+        acc_g, acc_v = acc_g.astype(dt).astype(f32), acc_v.astype(dt).astype(f32)
+    g = acc_g + b_ref[:, pl.ds(0, h)]
+    v = acc_v + b_ref[:, pl.ds(h, h)]
+    s = x.astype(f32) + v / (1.0 + jnp.exp(-g))
+    mean = jnp.sum(s, axis=1, keepdims=True) / h
+    var = jnp.maximum(jnp.sum(s * s, axis=1, keepdims=True) / h - mean * mean, 0.0)
+    out = (s - mean) * (jax.lax.rsqrt(var + eps) * scale_ref[...]) + offset_ref[...]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def fused(x, w_fc, b_fc, w, b, scale, offset, *, rows=64, warps=4, chunk=64, stages=3,
+          interpret=False):
+    """The block as one kernel per tile of ``rows`` rows (M a multiple of ``rows``)."""
+    m, h = x.shape
+    dt = x.dtype
+    full = lambda shape: pl.BlockSpec(shape, lambda r: (0, 0))  # noqa: E731
+    row = lambda a: a.astype(jnp.float32).reshape(1, -1)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk, eps=grn_tail.EPSILON),
+        out_shape=jax.ShapeDtypeStruct((m, h), dt),
+        grid=(m // rows,),
+        in_specs=[pl.BlockSpec((rows, h), lambda r: (r, 0)), full((h, h)), full((1, h)),
+                  full((h, 2 * h)), full((1, 2 * h)), full((1, h)), full((1, h))],
+        out_specs=pl.BlockSpec((rows, h), lambda r: (r, 0)),
+        interpret=interpret,
+        name="grn_block",
+        compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=stages),
+    )(x, w_fc.astype(dt), row(b_fc), w.astype(dt), row(b), row(scale), row(offset))
+
+
+def make_args(m: int, h: int, pair: int, dtype: str):
+    ks = jax.random.split(jax.random.key(0), 7)
+    dt = jnp.dtype(dtype)
+    lead = (pair,) if pair else ()
+    x = jax.random.normal(ks[0], (*lead, m, h)).astype(dt)
+    w_fc = jax.random.normal(ks[1], (*lead, h, h)) / np.sqrt(h)
+    b_fc = 0.1 * jax.random.normal(ks[2], (*lead, h))
+    w = jax.random.normal(ks[3], (*lead, h, 2 * h)) / np.sqrt(h)
+    b = 0.1 * jax.random.normal(ks[4], (*lead, 2 * h))
+    scale = 1.0 + 0.1 * jax.random.normal(ks[5], (*lead, h))
+    offset = 0.1 * jax.random.normal(ks[6], (*lead, h))
+    # the bias first: the timing loop perturbs its first argument, and perturbing x would add a
+    # pass over it to the time (bench/kernels.py, bench_grn_tail)
+    return b_fc, x, w_fc, w, b, scale, offset
+
+
+def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool) -> dict:
+    args = make_args(m, h, pair, dtype)
+
+    def bias_first(fn):
+        f = lambda b_fc, x, *rest: fn(x, rest[0], b_fc, *rest[1:])  # noqa: E731
+        return jax.vmap(f) if pair else f
+
+    fns = {"xla": bias_first(functools.partial(xla_path, interpret=interpret))}
+    for rows, warps, chunk, stages in tiles:
+        fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
+            fused, rows=rows, warps=warps, chunk=chunk, stages=stages, interpret=interpret))
+    ref = np.asarray(jax.jit(fns["xla"])(*args).astype(jnp.float32))
+    results = {}
+    for name, fn in fns.items():
+        if name.startswith("fused") and jax.default_backend() != "gpu" and not interpret:
+            results[name] = {"skipped": "needs a GPU (or --interpret)"}
+            continue
+        try:
+            one = jax.jit(fn)
+            a, a2 = (np.asarray(jax.block_until_ready(one(*args)).astype(jnp.float32))
+                     for _ in range(2))
+            results[name] = {"max_abs_diff": float(np.max(np.abs(a - ref))),
+                             "bitwise_repeat": bool(np.array_equal(a, a2))}
+            if not interpret:
+                results[name]["us"] = round(1e6 * seconds_per_call(fn, args, reps), 1)
+        except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, results[name], file=sys.stderr, flush=True)
+    return {"bench": "fused_grn", "rows": m, "width": h, "pair": pair, "dtype": dtype,
+            "interpret": interpret, "reps": reps, "results": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16384)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--pair", type=int, default=2, help="parameter sets vmapped (0: none)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--tiles", default="64/4/64/3,64/8/64/3,128/8/64/3,32/4/64/3,64/4/32/3,"
+                                       "64/8/128/2,128/4/64/2",
+                    help="rows/warps/chunk/stages, comma-separated")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",")]
+    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret), a.out)
+
+
+if __name__ == "__main__":
+    main()
