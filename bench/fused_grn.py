@@ -88,8 +88,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, rows=64, warps=4, chunk=64, sta
     """The block as one kernel per tile of ``rows`` rows (M a multiple of ``rows``)."""
     m, h = x.shape
     dt = x.dtype
-    full = lambda shape: pl.BlockSpec(shape, lambda r: (0, 0))  # noqa: E731
-    row = lambda a: a.astype(jnp.float32).reshape(1, -1)  # noqa: E731
+    full = lambda shape: pl.BlockSpec(shape, lambda r: (0, 0))
+    row = lambda a: a.astype(jnp.float32).reshape(1, -1)
     return pl.pallas_call(
         functools.partial(_kernel, chunk=chunk, eps=grn_tail.EPSILON),
         out_shape=jax.ShapeDtypeStruct((m, h), dt),
@@ -123,7 +123,7 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
     args = make_args(m, h, pair, dtype)
 
     def bias_first(fn):
-        f = lambda b_fc, x, *rest: fn(x, rest[0], b_fc, *rest[1:])  # noqa: E731
+        f = lambda b_fc, x, *rest: fn(x, rest[0], b_fc, *rest[1:])
         return jax.vmap(f) if pair else f
 
     fns = {"xla": bias_first(functools.partial(xla_path, interpret=interpret))}

@@ -89,7 +89,8 @@ VARIANTS = {"xla_reference": project_uniform, "pallas_lanes": pallas_lanes,
 
 
 def bench_c51_loss(b: int, d: int, z: int, reps: int) -> dict:
-    """``(sq, ce, tm)`` and the gradient w.r.t. the taken logits: Pallas (custom VJP) vs XLA."""
+    """``(sq, ce, tm, kl)`` and the gradient w.r.t. the taken logits: Pallas (custom VJP) vs
+    XLA."""
     from jdqn.pallas.c51_loss import c51_terms_pallas, c51_terms_reference
 
     v_min, v_max = -25.0, 25.0
@@ -103,7 +104,7 @@ def bench_c51_loss(b: int, d: int, z: int, reps: int) -> dict:
 
     def value_and_grad(fn):
         def loss(t, n, x):
-            sq, ce, _ = fn(t, n, x)
+            sq, ce, _, _ = fn(t, n, x)
             return jnp.sum(0.3 * sq + 0.7 * ce)
         return jax.value_and_grad(loss)
 

@@ -266,6 +266,11 @@ class TrainConfig:
     per_beta0: float = fld(0.4, ge=0, le=1)
     per_beta_steps: int = fld(10_000, ge=1)
     per_eps: float = fld(1e-6, gt=0)
+    # A transition's priority (docs/model.md, "Priorities"): "kl" = the blended C51 loss with
+    # its cross-entropy less the projected target's entropy, KL(m ‖ p) — zero for a transition
+    # the network already fits, as Rainbow prioritises; "cross_entropy" = the loss itself, whose
+    # target-entropy part (~98 % of it early in training) flattens the priorities
+    per_priority: Literal["kl", "cross_entropy"] = "kl"
     exploration: Literal["epsilon", "boltzmann"] = "epsilon"
     # How a training episode's end enters the returns (docs/training.md, "Episode ends"):
     # "truncate" = the market goes on: the forced-liquidation step (it ignores the policy) is

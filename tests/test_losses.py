@@ -47,6 +47,8 @@ TRAIN = TrainConfig()
 NET = BranchingQNetwork(SMALL, FLOW)  # equal to the one in test_networks.py: init compiles once
 B = 16
 LOSS = jax.jit(functools.partial(total_loss, net=NET, train_cfg=TRAIN))
+LOSS_CE = jax.jit(functools.partial(total_loss, net=NET, train_cfg=dataclasses.replace(
+    TRAIN, per_priority="cross_entropy")))
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +190,40 @@ def test_total_loss_selects_next_action_with_online_net(online, target):
             a_next = int(jnp.argmax(out_next.q[d][i]))
             tz = batch.reward[i] + batch.discount[i] * support
             proj = categorical_l2_project(tz, jax.nn.softmax(tgt.logits[d][i, a_next]), support)
-            per_branch.append(cross_entropy(out_s.logits[d][i, batch.action[i, d]], proj))
-        want.append(sum(per_branch))
+            ce = cross_entropy(out_s.logits[d][i, batch.action[i, d]], proj)
+            entropy = -float(jnp.sum(jax.scipy.special.xlogy(proj, proj)))
+            per_branch.append((float(ce), float(ce) - entropy))
+        want.append(np.sum(per_branch, axis=0))
+    want = np.array(want)  # [B, (cross-entropy, KL)] summed over branches
     _, (_, per_sample, _, _) = LOSS(online, target, batch, jax.random.key(0), init_moe_state(3),
                                     1.0)
-    np.testing.assert_allclose(per_sample, np.array(want), rtol=1e-4, atol=1e-5)
+    # the default priority: KL(m ‖ p) = CE − H(m), the loss less the target's own entropy
+    np.testing.assert_allclose(per_sample, want[:, 1], rtol=1e-4, atol=1e-5)
+    assert np.all(want[:, 1] < want[:, 0] - 1.0)  # the entropy is a large share here
+    _, (_, per_sample, _, _) = LOSS_CE(online, target, batch, jax.random.key(0),
+                                       init_moe_state(3), 1.0)
+    np.testing.assert_allclose(per_sample, want[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_kl_priority_ranks_a_badly_fit_sharp_target_above_a_fit_spread_one():
+    """Two transitions (one branch, 2 actions, 5 atoms): one whose online distribution equals
+    its spread-out projected target (fit: KL 0, cross-entropy log 5 — the target's entropy), one
+    fit badly to a one-atom target. The cross-entropy ranks them the wrong way round."""
+    from jdqn.losses.batch import branching_td_loss_batch
+
+    z = 5
+    logits = jnp.zeros((2, 2, z)).at[1, 0, 4].set(-1.0)  # row 0 uniform: the fit one
+    # row 0: reward 0, discount 1 and uniform next probabilities project to a uniform target;
+    # row 1: reward −2 (atom 0), discount 0: a one-atom target
+    target_logits = jnp.zeros((2, 2, z)).at[1].set(jnp.array([0.0, -1e9, -1e9, -1e9, -1e9]))
+    td = branching_td_loss_batch((logits,), jnp.zeros((2, 1), jnp.int32),
+                                 jnp.array([0.0, -2.0]), jnp.array([1.0, 0.0]),
+                                 (target_logits,), (jnp.zeros((2, 2)),), -2.0, 2.0,
+                                 jnp.float32(1.0))
+    kl, ce = np.asarray(td["td_kl"][:, 0]), np.asarray(td["ce"][:, 0])
+    np.testing.assert_allclose(kl[0], 0.0, atol=1e-6)
+    np.testing.assert_allclose(ce[0], np.log(z), rtol=1e-6)
+    assert kl[1] > kl[0] and ce[1] < ce[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -378,7 +409,7 @@ def _batch(b=B, seed=0):
 
 
 def test_total_loss_shapes_components_and_importance_weights(online, target):
-    f = LOSS
+    f = LOSS_CE  # priorities = the per-sample TD loss, so the two are compared below
     batch = _batch()
     args = (online, target, batch, jax.random.key(0), init_moe_state(3), 0.5)
     loss, (comp, per_sample, moe_state, diag) = f(*args)

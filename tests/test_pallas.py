@@ -122,14 +122,14 @@ def test_c51_loss_kernel_matches_reference_values_and_gradients(b, d, z):
     for case in ("random", "far_outside", "done", "on_atoms"):
         tz, _ = _inputs(b, d, z, -25.0, 10.0, case, seed=b * 5 + z)
         taken, nxt = _logits(b, d, z, seed=b + z)
-        cot = np.random.default_rng(b).normal(size=(3, b, d)).astype(np.float32)
+        cot = np.random.default_rng(b).normal(size=(4, b, d)).astype(np.float32)
         terms, g_got = _c51_terms_and_grad("pallas")(taken, nxt, tz, cot)
         got, g_got = [np.asarray(x) for x in terms], np.asarray(g_got)
         with x64():  # the oracle in float64 on the same (float32) inputs
             terms, g_want = _c51_terms_and_grad("reference")(
                 *(jnp.asarray(a, jnp.float64) for a in (taken, nxt, tz, cot)))
             want, g_want = [np.asarray(x) for x in terms], np.asarray(g_want)
-        for name, g, w in zip(("sq", "ce", "tm"), got, want, strict=True):
+        for name, g, w in zip(("sq", "ce", "tm", "kl"), got, want, strict=True):
             assert g.shape == (b, d) and g.dtype == np.float32, (case, name)
             scale = 1.0 + np.abs(w)
             np.testing.assert_array_less(np.abs(g - w) / scale, 2e-5, err_msg=f"{case} {name}")

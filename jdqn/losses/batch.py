@@ -75,7 +75,8 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
 
     logits, target_logits: per branch [B, A_d, Z]; action int [B, D]; reward, discount [B];
     q_selector: per branch [B, A_d] (online expected Q at s′). Returns a dict of [B, D]:
-    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean``. ``impl`` (``ModelConfig.impl``)
+    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean`` and ``td_kl`` (the blend with the
+    cross-entropy's KL form, ``ce − H(m)``: the priorities' term). ``impl`` (``ModelConfig.impl``)
     selects the implementation of the loss terms and of the projection (see :mod:`jdqn.pallas`).
     ``next_probs`` [B, D, ≥ Z] (zero beyond Z): the target's distribution at the double-Q
     action, already selected (:func:`jdqn.pallas.double_q.double_q_next`); then
@@ -93,10 +94,11 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
             argmax_select(tl, qs) for tl, qs in zip(target_logits, q_selector, strict=True)],
             1))  # [B, D, Z]
     tz = reward[:, None] + discount[:, None] * support  # [B, Z]
-    sq, ce, target_mean = c51_terms(taken, nxt, jax.lax.stop_gradient(tz), v_min, v_max, impl,
-                                    next_probs)
+    sq, ce, target_mean, kl = c51_terms(taken, nxt, jax.lax.stop_gradient(tz), v_min, v_max,
+                                        impl, next_probs)
     td = (1.0 - alpha) * sq + alpha * ce
-    return {"td": td, "sq": sq, "ce": ce, "target_mean": target_mean}
+    return {"td": td, "sq": sq, "ce": ce, "target_mean": target_mean,
+            "td_kl": (1.0 - alpha) * sq + alpha * kl}
 
 
 def branching_iqn_loss_batch(quantiles: tuple[Array, ...], taus: Array, action: Array,

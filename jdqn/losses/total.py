@@ -261,7 +261,10 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
 
     loss = td_loss + train_cfg.iqn_weight * iqn_loss + balance
     components["total"] = loss
-    per_sample_loss = jax.lax.stop_gradient(jnp.sum(td["td"], axis=1))  # [B], for priorities
+    # [B], for priorities: KL ≥ 0 up to rounding, clamped so that no slot is starved at 0
+    per_sample_loss = jax.lax.stop_gradient(
+        jnp.maximum(jnp.sum(td["td_kl"], axis=1), 0.0) if train_cfg.per_priority == "kl"
+        else jnp.sum(td["td"], axis=1))
 
     util = (jax.lax.stop_gradient(gate_utilisation(online.gate)) if util_all is None
             else util_all)

@@ -140,8 +140,8 @@ def project_uniform(tz: Array, probs: Array, v_min: float, v_max: float, impl: s
 
 
 def c51_terms(taken: Array, nxt: Array | None, tz: Array, v_min: float, v_max: float,
-              impl: str, probs: Array | None = None) -> tuple[Array, Array, Array]:
-    """The branching C51 loss terms ``(sq, ce, tm)`` [B, D] (see
+              impl: str, probs: Array | None = None) -> tuple[Array, Array, Array, Array]:
+    """The branching C51 loss terms ``(sq, ce, tm, kl)`` [B, D] (see
     :func:`jdqn.pallas.c51_loss.c51_terms_pallas`) through the implementation ``impl`` selects;
     the XLA path is the reference with the projection dispatched by :func:`project_uniform`.
     ``probs`` [B, D, ≥ Z] (zero beyond Z): the target's probabilities at the double-Q action,
@@ -162,4 +162,12 @@ def c51_terms(taken: Array, nxt: Array | None, tz: Array, v_min: float, v_max: f
     ce = -jnp.sum(target * logp, axis=-1)
     tm = jnp.sum(target * support, axis=-1)
     q = jnp.sum(jnp.exp(logp) * support, axis=-1)
-    return jnp.square(q - tm), ce, tm
+    return jnp.square(q - tm), ce, tm, kl_from_ce(ce, target)
+
+
+def kl_from_ce(ce: Array, target: Array) -> Array:
+    """``KL(m ‖ p) = CE(m, p) − H(m) = ce + Σ_z m_z log m_z`` per row of the projected target
+    ``m [..., Z]`` (``0 log 0 = 0``): the C51 loss less the target's own entropy, which no
+    parameter can lower (Rainbow's priority, Hessel et al. 2018)."""
+    m = jax.lax.stop_gradient(target)
+    return ce + jnp.sum(jax.scipy.special.xlogy(m, m), axis=-1)

@@ -7,7 +7,8 @@ SPEC §8, kernel 1. Per sample ``b`` and branch ``d`` (all branches in one progr
   :mod:`jdqn.pallas.projection`, reading the softmax straight from the logits);
 * the online distribution at the taken action, ``log_softmax(taken)``;
 * ``ce = −Σ m·log p`` (cross-entropy), ``sq = (E_p[z] − E_m[z])²`` (the warm-up MSE) and
-  ``tm = E_m[z]`` (the target mean).
+  ``tm = E_m[z]`` (the target mean); outside the kernel, from its ``m``, ``kl = ce + Σ m·log m``
+  (the priorities' term; its gradient is the cross-entropy's).
 
 The oracle is the plain-JAX tail of :func:`jdqn.losses.batch.branching_td_loss_batch`
 (:func:`c51_terms_reference`). The backward pass needs no kernel: with ``p = softmax(taken)``,
@@ -89,7 +90,7 @@ def _kernel(x_ref, tk_ref, nx_ref, sq_ref, ce_ref, tm_ref, m_ref, *, n_branches:
 
 
 def _forward(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
-             interpret: bool) -> tuple[Array, Array, Array, Array]:
+             interpret: bool) -> tuple[Array, Array, Array, Array, Array]:
     b, n_real, z = taken.shape
     lay = Layout.of(b, n_real, z)
     zp, n_branches, rows, bp = lay.zp, lay.dp, lay.rows, lay.bp
@@ -108,29 +109,34 @@ def _forward(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
         interpret=interpret,
         name="c51_loss",
     )(x, lay.branch_rows(taken, _NEG), lay.branch_rows(nxt, _NEG))
+    from jdqn.pallas import kl_from_ce
+
     m = m.reshape(bp, n_branches, zp)[:b, :n_real, :z]
-    return sq[:b, :n_real], ce[:b, :n_real], tm[:b, :n_real], m
+    ce = ce[:b, :n_real]
+    return sq[:b, :n_real], ce, tm[:b, :n_real], kl_from_ce(ce, m), m
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def c51_terms_pallas(taken: Array, nxt: Array, tz: Array, v_min: float, v_max: float,
-                     interpret: bool = False) -> tuple[Array, Array, Array]:
-    """``(sq, ce, tm)`` [B, D] from the online logits at the taken actions ``taken [B, D, Z]``,
-    the target logits at the double-Q actions ``nxt [B, D, Z]`` and the target atom locations
-    ``tz [B, Z]`` (unclipped; clipped here). Float32. Differentiable in ``taken`` only."""
-    sq, ce, tm, _ = _forward(taken, nxt, tz, v_min, v_max, interpret)
-    return sq, ce, tm
+                     interpret: bool = False) -> tuple[Array, Array, Array, Array]:
+    """``(sq, ce, tm, kl)`` [B, D] from the online logits at the taken actions ``taken [B, D,
+    Z]``, the target logits at the double-Q actions ``nxt [B, D, Z]`` and the target atom
+    locations ``tz [B, Z]`` (unclipped; clipped here). Float32. Differentiable in ``taken``
+    only."""
+    sq, ce, tm, kl, _ = _forward(taken, nxt, tz, v_min, v_max, interpret)
+    return sq, ce, tm, kl
 
 
 def _fwd(taken, nxt, tz, v_min, v_max, interpret):
-    sq, ce, tm, m = _forward(taken, nxt, tz, v_min, v_max, interpret)
-    return (sq, ce, tm), (taken, m, tm, nxt, tz)
+    sq, ce, tm, kl, m = _forward(taken, nxt, tz, v_min, v_max, interpret)
+    return (sq, ce, tm, kl), (taken, m, tm, nxt, tz)
 
 
 def _bwd(v_min, v_max, interpret, res, g):
     del interpret
     taken, m, tm, nxt, tz = res
-    g_sq, g_ce, _ = g  # the target mean does not depend on `taken`
+    g_sq, g_ce, _, g_kl = g  # the target mean does not depend on `taken`
+    g_ce = g_ce + g_kl  # kl = ce + a constant of `taken`
     z = taken.shape[-1]
     support = jnp.linspace(v_min, v_max, z, dtype=jnp.float32)
     p = jax.nn.softmax(taken.astype(jnp.float32), axis=-1)
@@ -145,7 +151,7 @@ c51_terms_pallas.defvjp(_fwd, _bwd)
 
 
 def c51_terms_reference(taken: Array, nxt: Array, tz: Array, v_min: float,
-                        v_max: float) -> tuple[Array, Array, Array]:
+                        v_max: float) -> tuple[Array, Array, Array, Array]:
     """The oracle: the same terms in plain JAX (the XLA path of :func:`jdqn.pallas.c51_terms`)."""
     from jdqn.pallas import c51_terms
 
