@@ -173,6 +173,10 @@ class EnvConfig:
     contract_multiplier: float = fld(50.0, gt=0)  # $ per point (ES = 50)
     initial_equity: float = fld(250_000.0, gt=0)  # $; returns are relative to equity
     tick_size: float = fld(0.25, gt=0)
+    # Refuse bars whose prices are off the tick_size grid (a mis-set tick rescales every cost
+    # and limit price); false for series that are legitimately off it (ratio back-adjusted
+    # continuous contracts)
+    check_tick_grid: bool = True
     spread_ticks: float = fld(1.0, ge=0)  # quoted spread; market orders pay half of it
     slippage_ticks: float = fld(0.25, ge=0)  # extra per market-order contract
     commission: float = fld(2.0, ge=0)  # $ per contract, taker
@@ -525,6 +529,12 @@ def _validate(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
     if isinstance(obj, Config):
         t, m = obj.train, obj.model
+        if obj.data.source == "synthetic" and obj.data.synthetic.tick_size != obj.env.tick_size:
+            raise ConfigError(
+                f"data.synthetic.tick_size = {obj.data.synthetic.tick_size} but env.tick_size = "
+                f"{obj.env.tick_size}: the synthetic market's prices move on its tick, while "
+                "the env prices spread, slippage and limit orders in env.tick_size; set both "
+                "to the same value")
         if m.iqn and m.iqn_taus == "batch" and t.batch_size % m.iqn_tau_groups:
             raise ConfigError(f"model.iqn_tau_groups = {m.iqn_tau_groups} does not divide "
                               f"train.batch_size = {t.batch_size}: the groups are equal shares "

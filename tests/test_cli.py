@@ -251,6 +251,15 @@ def test_episode_longer_than_the_train_window_is_refused(tmp_path):
     assert_user_error(res, "env.episode_length = 50000", "shortest train window")
 
 
+def test_prices_off_the_env_tick_grid_are_refused(tmp_path):
+    """The sample's ticks are on 0.25: with env.tick_size = 0.1 the costs would be counted in
+    the wrong unit; the run is refused, naming the price, the bar and the switches."""
+    res = run_cli("--config", str(ticks_config(tmp_path, GOOD_TICKS)), "--set",
+                  "env.tick_size=0.1", "--output-dir", str(tmp_path / "o"))
+    assert_user_error(res, "off the env.tick_size = 0.1 grid", "env.check_tick_grid = false")
+    assert not (tmp_path / "o").exists()
+
+
 def test_default_output_dir_is_a_new_timestamped_folder(tmp_path, monkeypatch):
     """Created here, each run its own: a run started in the same second as another, or a
     folder already there, gets the next free name (-2, -3, …) and never shares one."""

@@ -122,6 +122,16 @@ def test_data_file_with_synthetic_source_is_refused_not_ignored():
                                    "columns": {"price": "px"}}})
 
 
+def test_synthetic_market_on_another_tick_than_the_env_is_refused():
+    with pytest.raises(ConfigError, match=r"data.synthetic.tick_size = 0.01 but env.tick_size "
+                                          r"= 0.25"):
+        config_from_dict({"data": {"synthetic": {"tick_size": 0.01}}})
+    config_from_dict({"data": {"synthetic": {"tick_size": 0.01}}, "env": {"tick_size": 0.01}})
+    # a file's prices are checked against env.tick_size when they are loaded (job.prepare)
+    config_from_dict({"data": {"source": "ohlcv", "path": "x.csv",
+                               "synthetic": {"tick_size": 0.01}}})
+
+
 def test_min_replay_that_fold_0_cannot_reach_is_refused():
     # 2 × 5 × 4 = 40 steps per env: 2 still in the n-step window (n = 3), 40 // 8 = 5 forced
     # liquidations (8-step episodes) → 33 sampleable per env, × 8 envs = 264.

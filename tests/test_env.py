@@ -148,6 +148,19 @@ def test_a_fill_lands_exactly_on_its_target_and_a_repeat_order_trades_nothing():
     assert np.all(out[4][1][4:] == 0)  # no working order in the observation
 
 
+def test_prices_off_the_tick_grid_are_refused_naming_the_bar():
+    E.check_tick_grid(0.25, close=np.array(C, np.float32), low=np.array(L) + 1e-9)
+    E.check_tick_grid(0.01, close=np.array([4123.37, 4123.38], np.float32))  # float32 rounding
+    low = np.array(L, np.float64)
+    low[2] = 99.6
+    with pytest.raises(E.EnvInputError, match=r"low price 99.6 at bar 2 is off the "
+                                              r"env.tick_size = 0.25 grid \(0.400 of a tick; "
+                                              r"1 of 10 low prices are\)"):
+        E.check_tick_grid(0.25, close=np.array(C), low=low)
+    with pytest.raises(E.EnvInputError, match="env.check_tick_grid = false"):
+        E.check_tick_grid(0.5, close=np.array(C))
+
+
 def test_passive_limit_is_one_tick_further():
     _, out = run(make(spread_ticks=2), [act(E.LONG, o=E.LIMIT_PASSIVE, u=1), act(E.HOLD)])
     assert out[1][2]["fill_price"] == 99.5

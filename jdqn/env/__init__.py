@@ -23,6 +23,7 @@ from jdqn.env.core import (
     PolicyAux,
     auto_reset,
     check_inputs,
+    check_tick_grid,
     make_params,
     obs_from_index,
     observe,
@@ -40,7 +41,7 @@ __all__ = [
     "ACTION_LABELS", "BRANCH_NAMES", "BRANCH_SIZES", "FACTOR_NAMES", "FLAT", "HOLD",
     "LIMIT_PASSIVE", "LIMIT_TOUCH", "LONG", "MAGNITUDES", "MARKET", "N_PORTFOLIO",
     "PORTFOLIO_SLOTS", "SHORT", "EnvInputError", "EnvParams", "EnvState", "NormState",
-    "PolicyAux", "auto_reset", "check_inputs", "cvar_series", "init_norm_state", "make_params",
+    "PolicyAux", "auto_reset", "check_inputs", "check_tick_grid", "cvar_series", "init_norm_state", "make_params",
     "normalise_reward", "obs_from_index", "observe", "portfolio", "reset", "reset_at",
     "sizing_factors", "step", "validate_actions", "with_window",
 ]

@@ -161,6 +161,33 @@ def check_inputs(features: Any, open: Any, high: Any, low: Any, close: Any) -> N
                             "high")
 
 
+TICK_GRID_TOLERANCE = 0.01  # of a tick: prices further off the grid are refused
+
+
+def check_tick_grid(tick_size: float, **prices: Any) -> None:
+    """Refuse prices off the ``tick_size`` grid: raise :class:`EnvInputError` naming the first
+    bar, its price, how far off the grid it is and the fixes. Costs (spread, slippage) and limit
+    prices are counted in ticks of ``env.tick_size``, so data on another grid (a tick of 0.01
+    against the default 0.25) would be charged and filled in the wrong units without a word.
+    Rounding is allowed for: a price passes within 1 % of a tick of the grid plus one float32
+    unit in the last place at its level (the env holds prices in float32; 4123.37 is 0.012 of
+    a 0.01 tick off the grid there)."""
+    for name, a in prices.items():
+        a = np.asarray(a)
+        ticks = a.astype(np.float64) / tick_size
+        off = np.abs(ticks - np.round(ticks))
+        ulp = np.spacing(np.abs(a).astype(np.float32)).astype(np.float64) / tick_size
+        bad = off > TICK_GRID_TOLERANCE + ulp
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise EnvInputError(
+                f"{name} price {float(a[i])!r} at bar {i} is off the env.tick_size "
+                f"= {tick_size} grid ({off[i]:.3f} of a tick; {int(bad.sum())} of {bad.size} "
+                f"{name} prices are): set env.tick_size to the instrument's tick, or "
+                "env.check_tick_grid = false for a series that is off any grid (a ratio "
+                "back-adjusted continuous contract)")
+
+
 def _check_window(t_len: int, lo: int, hi: int, min_len: int) -> None:
     if not (0 <= lo < hi <= t_len):
         raise EnvInputError(f"window [{lo}, {hi}) is not inside the {t_len} bars")

@@ -68,6 +68,9 @@ class Prepared:
 def prepare(cfg: Config) -> Prepared:
     parallel.resolve_n_devices(cfg)  # a device count the machine lacks: refused before the data
     bars, feats, hit = load_or_build(cfg)
+    if cfg.env.check_tick_grid:
+        env_core.check_tick_grid(cfg.env.tick_size, open=bars.open, high=bars.high,
+                                 low=bars.low, close=bars.close)
     layout = StateLayout(feats.n_features, cfg.features.state_width)
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
     check_eval_stride(plan, cfg.eval.stride)
