@@ -186,7 +186,7 @@ class EnvConfig:
     churn_window: int = fld(10, ge=1)  # flips within this many bars are penalised
     opportunity_cost: float = fld(0.0, ge=0)  # × |Q-gap| while flat (training only)
     limit_expiry: tuple[int, ...] = _tuple(1, 3, 10)  # bars a limit waits, per urgency level
-    reward_norm: Literal["robust", "popart", "none"] = "robust"
+    reward_norm: Literal["robust", "zscore", "none"] = "robust"
     reward_iqr_floor: float = fld(1e-4, gt=0)  # IQR floor for the robust normaliser
     reward_norm_decay: float = fld(0.999, gt=0, lt=1)  # EMA decay of normaliser statistics
     sizing: SizingConfig = field(default_factory=SizingConfig)
@@ -372,13 +372,23 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# Choices that existed under another name, with what to use instead
+_RETIRED = {
+    ("reward_norm", "popart"): "'popart' was renamed 'zscore': it is a running mean/std "
+    "normaliser without PopArt's output-preserving rescale, which has no exact form for the "
+    "fixed-support C51 heads (docs/env.md, \"Reward\")",
+}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
+            why = _RETIRED.get((key.rsplit(".", 1)[-1], value), "")
             raise ConfigError(f"{key} = {value!r} is not allowed; allowed values: "
-                              + ", ".join(repr(a) for a in allowed))
+                              + ", ".join(repr(a) for a in allowed) + (f" ({why})" if why
+                                                                       else ""))
         return value
     if origin in (types.UnionType, typing.Union):
         for arg in typing.get_args(tp):

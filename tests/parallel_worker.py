@@ -269,7 +269,7 @@ def randomness_check() -> dict:
     # With a mask (episode_end = "truncate": forced liquidations out), the gathered mask.
     rewards = jax.random.normal(jax.random.key(2), (2, 10000)) * 0.01
     mask = jax.random.uniform(jax.random.key(3), (2, 10000)) < 0.9
-    for mode in ("robust", "popart"):
+    for mode in ("robust", "zscore"):
         ns = init_norm_state(cfg.env).replace(mode=mode)
         ns = jax.tree.map(lambda x: jnp.stack([x, x]), ns)
         for tag, m in (("", None), ("_masked", mask)):

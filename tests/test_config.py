@@ -280,3 +280,11 @@ def test_iqn_fraction_groups_must_divide_each_devices_batch():
                           "env": {"n_envs": 64}, "train": {"batch_size": 256,
                                                            "replay_capacity": 64 * 1000,
                                                            "min_replay": 1000}})
+
+
+def test_the_retired_popart_name_points_to_zscore():
+    with pytest.raises(ConfigError, match=r"env.reward_norm = 'popart' is not allowed; allowed "
+                                          r"values: 'robust', 'zscore', 'none' \('popart' was "
+                                          r"renamed 'zscore'"):
+        config_from_dict({"env": {"reward_norm": "popart"}})
+    assert config_from_dict({"env": {"reward_norm": "zscore"}}).env.reward_norm == "zscore"

@@ -542,8 +542,8 @@ def test_quartiles_sort_on_the_cpu_and_select_by_rank_elsewhere():
         np.testing.assert_array_equal(jnp.stack(got), [2.0, 4.0])
 
 
-def test_popart_and_none_modes():
-    ns = E.init_norm_state(EnvConfig(reward_norm="popart"))
+def test_zscore_and_none_modes():
+    ns = E.init_norm_state(EnvConfig(reward_norm="zscore"))
     _, rn = E.normalise_reward(ns, jnp.array([1.0, 3.0]))
     np.testing.assert_allclose(np.asarray(rn), [-1.0, 1.0], atol=1e-6)
     ns = E.init_norm_state(EnvConfig(reward_norm="none"))
@@ -551,7 +551,7 @@ def test_popart_and_none_modes():
     np.testing.assert_array_equal(np.asarray(rn), [1.0, 3.0])
 
 
-@pytest.mark.parametrize("mode", ["robust", "popart"])
+@pytest.mark.parametrize("mode", ["robust", "zscore"])
 def test_a_mask_restricts_the_normaliser_statistics(mode):
     rng = np.random.default_rng(0)
     r = jnp.asarray(rng.normal(size=64).astype(np.float32))

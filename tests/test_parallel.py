@@ -114,7 +114,7 @@ def test_two_devices_train_the_global_batch_identically_everywhere(tmp_path):
     assert r["start_identical"], r  # every device starts from the same block ...
     assert r["actions_differ"] and r["priorities_differ"], r  # ... and draws its own noise
     assert r["weights_max"] == 1.0 and min(r["weights_shard_max"]) < 1.0, r
-    assert all(r[f"normaliser_{m}{t}_bitwise"] for m in ("robust", "popart")
+    assert all(r[f"normaliser_{m}{t}_bitwise"] for m in ("robust", "zscore")
                for t in ("", "_masked")), r
 
     j = res["job"]

@@ -11,9 +11,12 @@ Modes (``EnvConfig.reward_norm``):
   running values towards them with weight ``w = max(1 − decay, 1 / (count + 1))`` — the plain
   average of the batches seen so far until ``1 / (count + 1)`` drops below ``1 − decay``, then an
   EMA. No zero-initialisation bias.
-* ``"popart"``: the same update of a running mean and second moment; ``r_n = (r − μ) / max(σ,
-  floor)``. (Preserving the network's outputs when μ, σ move — the "art" of PopArt — needs the
-  learner's last layer and is the learner's job; ``NormState`` exposes the statistics.)
+* ``"zscore"``: the same update of a running mean and second moment; ``r_n = (r − μ) / max(σ,
+  floor)``. Not PopArt (and named so since 2026-12-04; ``"popart"`` is refused with the new
+  name): PopArt also rescales the value layer so that the network's outputs are preserved
+  when μ, σ move, and with C51's fixed support that has no exact form — a move of the target's
+  scale maps the atoms off the support, which no change of the logits can follow. SPEC §3's
+  alternative to the robust normaliser is this running z-score.
 * ``"none"``: identity.
 
 ``mask`` (bool, the shape of ``reward``) restricts the statistics to the rewards it marks; every
@@ -117,8 +120,8 @@ def quantiles_by_rank(x: jax.Array, qs: tuple[float, ...], squash_nans: bool = F
 
 @struct.dataclass
 class NormState:
-    center: jax.Array  # f32 []: running median (robust) or mean (popart)
-    scale: jax.Array  # f32 []: running IQR (robust) or second moment (popart)
+    center: jax.Array  # f32 []: running median (robust) or mean (zscore)
+    scale: jax.Array  # f32 []: running IQR (robust) or second moment (zscore)
     count: jax.Array  # f32 []: batches seen
     mode: str = struct.field(pytree_node=False, default="robust")
     decay: float = struct.field(pytree_node=False, default=0.999)
@@ -159,7 +162,7 @@ def normalise_reward(norm_state: NormState, reward: jax.Array, mask: jax.Array |
             q25, q50, q75 = (jnp.where(poison, jnp.nan, q) for q in (q25, q50, q75))
         center = ns.center + w * (q50 - ns.center)
         scale = ns.scale + w * ((q75 - q25) - ns.scale)
-    elif ns.mode == "popart":
+    elif ns.mode == "zscore":
         if keep is None:
             m1, m2, seen = flat.mean(), jnp.mean(flat * flat), None
         else:
