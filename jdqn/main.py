@@ -102,7 +102,10 @@ def resolve_output_dir(cfg_path: str, output_dir: str | None, resume: bool) -> P
                 return out
             except FileExistsError:
                 continue
-    out = Path(output_dir)
+    # `..` taken lexically, as the checks below and every later write see it: `run/x/..` is
+    # `run`, whose files are then refused here (the OS reads it as "not found" while x is
+    # missing, and mkdir(parents=True) would create x and write into `run`)
+    out = Path(os.path.normpath(output_dir))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} is a file, not a folder")
     if resume:
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                               "true (every process would record its own kernel choices into "
                               "the one file); use XLA_FLAGS=--xla_gpu_deterministic_ops=true "
                               "for bitwise reproducible multi-host runs")
+        if args.output_dir is not None:  # `run/x/..` is `run` for every check and write
+            args.output_dir = os.path.normpath(args.output_dir)
         target = (Path(args.output_dir) if args.output_dir is not None
                   else default_runs_dir(args.config))
         existed = {d for d in (target, *target.parents) if d.exists()}  # before this run

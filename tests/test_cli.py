@@ -180,6 +180,19 @@ def test_existing_output_dir_is_never_overwritten(tmp_path):
                       "--resume needs --output-dir")
 
 
+def test_a_dotdot_output_dir_cannot_reach_an_existing_run(tmp_path):
+    """`run/missing/..` is `run`: refused like `run` itself, nothing overwritten, nothing made
+    (the OS reported the path missing while `missing` was, and the run wrote into `run`)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text("# the user's\n")
+    res = run_cli("--config", "configs/quickstart.toml", "--output-dir",
+                  str(out / "missing" / ".."))
+    assert_user_error(res, f"output dir {out} already holds files")
+    assert (out / "config.toml").read_text() == "# the user's\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.toml"]
+
+
 def test_a_run_that_fails_before_starting_leaves_no_run_behind(tmp_path, monkeypatch):
     """Bad data stops the run before anything but config.toml is written: the folder is not
     left holding a run that blocks a corrected retry (or litters runs/)."""
