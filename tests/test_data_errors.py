@@ -186,6 +186,31 @@ def test_truncated_dbn_and_out_of_range_unix_stamps(tmp_path: Path) -> None:
     assert "row 2 (line 3), field 'timestamp'" in msg and "out of range" in msg
 
 
+def test_a_zstd_dbn_file_cut_anywhere_or_corrupted_is_refused(tmp_path: Path) -> None:
+    """A .dbn.zst cut at a zstd block boundary decoded as whole records, so it loaded as a
+    shorter dataset; a corrupted block raised zstd's RuntimeError (a traceback). Every cut
+    point of a compressed file is refused naming the file, and so is a flipped byte."""
+    import databento_dbn as dbn
+
+    from jdqn.data import testing as tk
+    from jdqn.data.dbn import read_dbn
+
+    raw = tk.random_mbp10(np.random.default_rng(0), 400, 60.0)
+    full = tk.encode_dbn(dbn.Schema.MBP_10, tk.mbp10_records(raw), compress=True)
+    p = tmp_path / "m.dbn.zst"
+    p.write_bytes(full)
+    assert len(read_dbn(p)[1]) == 400
+    for cut in range(4, len(full), max(1, len(full) // 300)):
+        p.write_bytes(full[:cut])
+        with pytest.raises(DataError, match=r"m\.dbn\.zst: (truncated|cannot)"):
+            read_dbn(p)
+    bad = bytearray(full)
+    bad[len(full) // 2] ^= 0xFF
+    p.write_bytes(bytes(bad))
+    msg = _error(DataConfig(source="dbn", path=str(p), bar_size="1s"))
+    assert "m.dbn.zst" in msg
+
+
 def _bars_csv(stamps: pd.DatetimeIndex) -> str:
     return "timestamp,open,high,low,close,volume\n" + "".join(
         f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)

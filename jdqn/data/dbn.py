@@ -119,6 +119,48 @@ def _decode_all(dec: dbn.DBNDecoder, path: Path) -> list:
     return recs
 
 
+def _zstd_truncation(raw: bytes) -> str | None:
+    """Where a zstd stream ends early, or None when it is whole frames: the frames are walked
+    by their headers and block sizes, nothing decompressed (RFC 8878 §3.1). The decoder of
+    ``databento_dbn`` returns whatever whole records it decoded from a stream cut at a block
+    boundary, so a truncated ``.dbn.zst`` would otherwise load as a shorter dataset."""
+    pos, n = 0, len(raw)
+    while pos < n:
+        if n - pos < 4:
+            return f"{n - pos} stray bytes after the last frame"
+        magic = int.from_bytes(raw[pos:pos + 4], "little")
+        if 0x184D2A50 <= magic <= 0x184D2A5F:  # a skippable frame: magic, size, data
+            if n - pos < 8:
+                return f"a skippable frame's header cut at byte {n}"
+            pos += 8 + int.from_bytes(raw[pos + 4:pos + 8], "little")
+            if pos > n:
+                return f"a skippable frame cut at byte {n}"
+            continue
+        if magic != 0xFD2FB528:
+            return f"no zstd frame at byte {pos}"
+        if n - pos < 5:
+            return f"a frame header cut at byte {n}"
+        fhd = raw[pos + 4]
+        single, checksum = (fhd >> 5) & 1, (fhd >> 2) & 1
+        fcs = (0 if not single else 1, 2, 4, 8)[fhd >> 6]
+        header = 1 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+        pos += 4 + header
+        while True:  # blocks: a 3-byte header (last flag, type, size), then the block's bytes
+            if pos + 3 > n:
+                return f"a frame cut at byte {n} (inside a block header, before its last block)"
+            bh = int.from_bytes(raw[pos:pos + 3], "little")
+            last, kind, size = bh & 1, (bh >> 1) & 3, bh >> 3
+            pos += 3 + (1 if kind == 1 else size)  # an RLE block stores one byte
+            if pos > n:
+                return f"a frame cut at byte {n} (inside a block, before its last block)"
+            if last:
+                break
+        pos += 4 * checksum
+        if pos > n:
+            return f"a frame's checksum cut at byte {n}"
+    return None
+
+
 def read_dbn(path: Path) -> tuple[str, np.ndarray]:
     """Read a DBN file → (schema name, structured record array of that schema)."""
     if not path.is_file():
@@ -128,8 +170,15 @@ def read_dbn(path: Path) -> tuple[str, np.ndarray]:
         raise DataError(f"{path}: empty file (0 bytes)")
     try:
         if raw[:4] == _ZSTD_MAGIC:
+            cut = _zstd_truncation(raw)
+            if cut:
+                raise DataError(f"{path}: truncated or corrupt zstd data ({cut}); the file "
+                                "is not whole — download or copy it again")
             dec = dbn.DBNDecoder(compression=dbn.Compression.ZSTD)
-            dec.write(raw)
+            try:
+                dec.write(raw)
+            except RuntimeError as e:  # zstd's own errors: "Data corruption detected", …
+                raise DataError(f"{path}: cannot decompress zstd data: {e}") from None
             recs = _decode_all(dec, path)
             schema = _schema_name(recs[0], path)
             return schema, _walked(recs, schema, bool(getattr(recs[0], "ts_out", False)), path)

@@ -157,7 +157,7 @@ def encode_dbn(schema: dbn.Schema, records: list, compress: bool = False,
     buf = io.BytesIO()
     tr = dbn.Transcoder(buf, dbn.Encoding.DBN, dbn.Compression.ZSTD)
     tr.write(plain)
-    tr.flush()
+    tr.finish()  # ends the zstd frame (flush alone leaves it open: a truncated stream)
     return buf.getvalue()
 
 
