@@ -211,6 +211,13 @@ def test_a_zstd_dbn_file_cut_anywhere_or_corrupted_is_refused(tmp_path: Path) ->
     assert "m.dbn.zst" in msg
 
 
+def test_a_duplicated_column_name_is_named(tmp_path: Path) -> None:
+    msg = _error(_ohlcv(tmp_path, OHLCV.replace(",volume\n", ",close\n", 1)))
+    assert "in.csv: column 'close' (data.columns.close) appears 2 times in the header" in msg
+    msg = _error(_ticks(tmp_path, TICKS.replace("timestamp,price,size", "timestamp,price,price")))
+    assert "column 'price' (data.columns.price) appears 2 times" in msg
+
+
 def _bars_csv(stamps: pd.DatetimeIndex) -> str:
     return "timestamp,open,high,low,close,volume\n" + "".join(
         f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)

@@ -55,6 +55,10 @@ class _Table:
             have = ", ".join(self.table.column_names)
             raise DataError(f"{self.path}: missing column '{name}' (data.columns.{role}); "
                             f"columns present: {have}")
+        if self.table.column_names.count(name) > 1:  # pyarrow raises a KeyError on the name
+            raise DataError(f"{self.path}: column '{name}' (data.columns.{role}) appears "
+                            f"{self.table.column_names.count(name)} times in the header; "
+                            "rename the duplicates so that it names one column")
         col = self.table.column(name)
         if pa.types.is_dictionary(col.type):  # Parquet's dictionary encoding: its values
             col = col.cast(col.type.value_type)
