@@ -14,7 +14,7 @@ from helpers import tiny_config
 
 from jdqn.config import ConfigError, TrainConfig
 from jdqn.train import job as job_lib
-from jdqn.train.folds import MIN_WINDOW, check_eval_stride, plan_folds
+from jdqn.train.folds import MIN_WINDOW, check_eval_stride, check_eval_windows, plan_folds
 
 
 @pytest.mark.parametrize("n_bars,warmup,n_folds,purge,train_frac,test_frac", [
@@ -56,6 +56,28 @@ def test_too_few_bars_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"fold 0: its train window has"):
         plan_folds(400, 20, TrainConfig(n_folds=3, train_frac=0.01, test_frac=0.1,
                                         purge_bars=0))
+
+
+def test_eval_windows_too_short_to_score_the_policy_are_refused_before_training(monkeypatch):
+    from jdqn.evaluate.backtest import MIN_WINDOW_STEPS
+
+    plan = plan_folds(3000, 50, TrainConfig(n_folds=2))
+    lens = [hi - 1 - lo for lo, hi in [f.val for f in plan.folds] + [plan.test]]
+    largest = min((n - 1) // (MIN_WINDOW_STEPS - 1) for n in lens)
+    for n in (1, 2, largest):
+        check_eval_windows(plan, n, 1)
+        assert all(-(-m // n) >= MIN_WINDOW_STEPS for m in lens)
+    assert min(-(-m // (largest + 1)) for m in lens) < MIN_WINDOW_STEPS  # the bound is tight
+    with pytest.raises(ConfigError, match=rf"eval.n_windows = {largest + 1} cuts .* allow "
+                                          rf"eval.n_windows ≤ {largest}"):
+        check_eval_windows(plan, largest + 1, 1)
+    with pytest.raises(ConfigError, match=r"windows of 1 steps"):
+        check_eval_windows(plan, 100_000, 1)
+    with pytest.raises(ConfigError, match=r"eval.n_windows = 2 cuts"):  # strided decisions
+        check_eval_windows(plan, 2, -(-min(lens) // (2 * MIN_WINDOW_STEPS - 2)))
+    monkeypatch.setattr(job_lib, "Learner", None)  # refused in prepare(), before the learner
+    with pytest.raises(ConfigError, match="eval.n_windows = 1000 cuts"):
+        job_lib.prepare(tiny_config("eval.n_windows=1000"))
 
 
 def test_an_eval_stride_too_long_for_a_window_is_refused_before_training(monkeypatch):

@@ -83,3 +83,28 @@ def check_eval_stride(plan: FoldPlan, stride: int) -> None:
             raise ConfigError(
                 f"eval.stride = {stride} leaves {name} [{lo}, {hi}) {periods} evaluation "
                 f"periods (need ≥ {need}); these windows allow eval.stride ≤ {largest}")
+
+
+def check_eval_windows(plan: FoldPlan, n_windows: int, stride: int) -> None:
+    """Refuse an ``eval.n_windows`` that cuts a validation or the test window into parallel
+    backtest windows shorter than :data:`jdqn.evaluate.backtest.MIN_WINDOW_STEPS` steps, before
+    anything trains: each window ends in a forced liquidation, so such a backtest scores
+    liquidations, not the policy (at one window per step every Sharpe was undefined and early
+    stopping chose among NaNs)."""
+    from jdqn.evaluate.backtest import MIN_WINDOW_STEPS
+
+    if n_windows <= 1:
+        return
+    windows = [(f"fold {f.index}'s validation window", f.val) for f in plan.folds]
+    windows.append(("the test window", plan.test))
+    for name, (lo, hi) in windows:
+        periods = (hi - 1 - lo) // stride
+        steps = -(-periods // min(n_windows, max(periods, 1)))
+        if steps < MIN_WINDOW_STEPS:
+            # n windows of ⌈m / n⌉ steps: ≥ MIN steps while n ≤ (m − 1) // (MIN − 1)
+            largest = max(1, min(((b - 1 - a) // stride - 1) // (MIN_WINDOW_STEPS - 1)
+                                 for _, (a, b) in windows))
+            raise ConfigError(
+                f"eval.n_windows = {n_windows} cuts {name} [{lo}, {hi}) ({periods} decisions) "
+                f"into windows of {steps} steps, each ending in a forced liquidation (need ≥ "
+                f"{MIN_WINDOW_STEPS} steps); these windows allow eval.n_windows ≤ {largest}")
