@@ -246,7 +246,10 @@ class TrainConfig:
     # One program, vmapped over seeds (each a 32-bit PRNG seed).
     seeds: tuple[int, ...] = fld(default_factory=lambda: (0,), ge=0, lt=2**32)
     n_folds: int = fld(3, ge=1)  # walk-forward folds
-    train_frac: float = fld(0.6, gt=0, lt=1)  # share of each fold's span used for training
+    # share of the span before the test window that precedes the validation blocks (fold 0's
+    # training span; later folds' expand over the earlier blocks): the blocks are its last
+    # 1 − train_frac, independent of test_frac (a share of the whole usable span)
+    train_frac: float = fld(0.6, gt=0, lt=1)
     purge_bars: int = fld(20, ge=0)  # gap between train and validation windows
     test_frac: float = fld(0.2, gt=0, lt=1)  # final untouched test window share
     epochs_per_fold: int = fld(10, ge=1)
@@ -535,8 +538,6 @@ def _validate(obj: Any, prefix: str) -> None:
             raise ConfigError(f"{p}min_replay = {obj.min_replay} > {p}replay_capacity = "
                               f"{obj.replay_capacity}: the replay could never fill enough for "
                               "a single gradient update")
-        if obj.train_frac + obj.test_frac >= 1:
-            raise ConfigError(f"{p}train_frac + {p}test_frac must be < 1")
     if isinstance(obj, Config):
         t, m = obj.train, obj.model
         if obj.data.source == "synthetic" and obj.data.synthetic.tick_size != obj.env.tick_size:

@@ -70,6 +70,8 @@ def test_train_cross_field_checks():
     with pytest.raises(ConfigError, match=r"seed\(s\) \[1\] repeated"):
         config_from_dict({"train": {"seeds": [1, 2, 1]}})
     config_from_dict({"train": {"min_replay": 4000, "replay_capacity": 4000, "seeds": [2, 1]}})
+    # shares of different spans (the pre-test span, the usable span): any pair plans folds
+    config_from_dict({"train": {"train_frac": 0.8, "test_frac": 0.2}})
 
 
 def test_config_that_is_not_utf8_names_the_file(tmp_path):

@@ -19,7 +19,7 @@ from jdqn.train.folds import MIN_WINDOW, check_eval_stride, check_eval_windows, 
 
 @pytest.mark.parametrize("n_bars,warmup,n_folds,purge,train_frac,test_frac", [
     (3000, 50, 2, 5, 0.6, 0.2), (10_000, 0, 5, 0, 0.5, 0.1), (10_007, 133, 3, 40, 0.7, 0.25),
-    (500, 20, 1, 10, 0.3, 0.3)])
+    (500, 20, 1, 10, 0.3, 0.3), (3000, 50, 2, 5, 0.8, 0.2), (4000, 50, 2, 5, 0.7, 0.4)])
 def test_fold_windows_are_ordered_purged_and_never_overlap(n_bars, warmup, n_folds, purge,
                                                           train_frac, test_frac):
     cfg = TrainConfig(n_folds=n_folds, purge_bars=purge, train_frac=train_frac,
