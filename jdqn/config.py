@@ -520,6 +520,10 @@ def _validate(obj: Any, prefix: str) -> None:
             vals = getattr(obj, name)
             if any(v < 1 for v in vals):
                 raise ConfigError(f"{p}{name} = {list(vals)}: every entry must be ≥ 1")
+            dup = sorted({v for v in vals if vals.count(v) > 1})
+            if dup:
+                raise ConfigError(f"{p}{name} = {list(vals)}: {dup} repeated; each entry makes "
+                                  "its own feature column, so a repeat is the same column twice")
         if not obj.vol_windows:  # the first one scales CUSUM and the multi-timeframe vols
             raise ConfigError(f"{p}vol_windows = []: give at least one window (bars)")
         n = n_base_features(obj)

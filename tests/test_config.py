@@ -64,6 +64,12 @@ def test_cross_field_checks():
         config_from_dict({"model": {"branch_sizes": [4, 3, 3]}})
 
 
+@pytest.mark.parametrize("name", ["return_lags", "vol_windows", "mtf_factors"])
+def test_a_repeated_feature_setting_is_refused(name):
+    with pytest.raises(ConfigError, match=rf"features.{name} = \[5, 2, 5\]: \[5\] repeated"):
+        config_from_dict({"features": {name: [5, 2, 5]}})
+
+
 def test_train_cross_field_checks():
     with pytest.raises(ConfigError, match=r"min_replay = 5000 > train.replay_capacity = 4000"):
         config_from_dict({"train": {"min_replay": 5000, "replay_capacity": 4000}})
