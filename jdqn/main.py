@@ -137,9 +137,15 @@ def _config_diff(saved: str, now: str, limit: int = 5) -> str:
         resolved = tomllib.loads(dumps_toml(config_from_dict(saved_table)))
     except ConfigError:  # an older or invalid saved config: compare it as written
         resolved = saved_table
-    a, b = flat(resolved), flat(tomllib.loads(now))
-    keys = [k for k in sorted(a.keys() | b.keys()) if a.get(k, "<unset>") != b.get(k, "<unset>")]
-    parts = [f"{k}: {a.get(k, '<unset>')!r} → {b.get(k, '<unset>')!r}" for k in keys[:limit]]
+    a, b, written = flat(resolved), flat(tomllib.loads(now)), flat(saved_table)
+    # a setting the saved file lacks or has that this version does not (a run written by
+    # another version of jdqn) differs even where the default fills it with the same value
+    for k in b.keys() - written.keys():
+        a[k] = "<unset>"
+    keys = [k for k in sorted(a.keys() | b.keys() | written.keys())
+            if a.get(k, written.get(k, "<unset>")) != b.get(k, "<unset>")]
+    parts = [f"{k}: {a.get(k, written.get(k, '<unset>'))!r} → {b.get(k, '<unset>')!r}"
+             for k in keys[:limit]]
     more = f", and {len(keys) - limit} more" if len(keys) > limit else ""
     return "; ".join(parts) + more if parts else "formatting only"
 

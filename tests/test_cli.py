@@ -411,3 +411,19 @@ def test_autotune_file_in_process_errors_and_env_restored(tmp_path, monkeypatch,
     assert "--xla_gpu_require_complete_aot_autotune_results=true" in seen["flags"]
     assert f"--xla_gpu_load_autotune_results_from={f}" in seen["flags"]
     assert os.environ["XLA_FLAGS"] == "--xla_foo=1"
+
+
+def test_resume_config_diff_names_a_setting_the_saved_config_lacks():
+    """A run written by a version without a setting: the saved config resolves to the current
+    defaults, but the difference is still named (it said "formatting only")."""
+    from jdqn.config import Config, dumps_toml
+    from jdqn.main import _config_diff
+
+    now = dumps_toml(Config())
+    lines = now.splitlines(keepends=True)
+    saved = "".join(ln for ln in lines if not ln.startswith("per_priority"))
+    assert saved != now
+    assert _config_diff(saved, now) == "train.per_priority: '<unset>' → 'kl'"
+    older = now.replace("[train]\n", "[train]\nold_knob = 3\n", 1)
+    assert _config_diff(older, now) == "train.old_knob: 3 → '<unset>'"
+    assert _config_diff(now, now) == "formatting only"
