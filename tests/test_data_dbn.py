@@ -168,6 +168,19 @@ def test_dbn_trades_and_ohlcv_round_trip(tmp_path: Path) -> None:
     assert o.bar_seconds == 60.0 and np.isnan(o.buy_volume).all()
 
 
+def test_dbn_records_out_of_time_order_are_sorted_with_a_warning_naming_one(
+        tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    ticks = tk.random_ticks(rng, 200, 100.0)
+    stamps = ticks["ts"].copy()
+    ticks["ts"][50] = stamps[120]  # one trade stamped late: records 51 … out of order
+    path = tk.write_dbn(tmp_path / "t.dbn", "trades", ticks)
+    with pytest.warns(UserWarning, match=r"t\.dbn: \d+ record\(s\) stamped before the record "
+                                         r"they follow \(first: record 52, field 'ts_recv'"):
+        b = load_bars(DataConfig(source="dbn", bar_size="1s", path=str(path)))
+    assert (np.diff(b.ts) > 0).all() and b.volume.sum() == ticks["size"].sum()
+
+
 @pytest.mark.parametrize("schema,bar_size", [("trades", "1s"), ("mbp-10", "2s")])
 @pytest.mark.parametrize("layout", ["plain", "zstd", "with_system_msgs"])
 def test_records_written_with_ts_out_read_as_without(tmp_path: Path, schema: str,

@@ -125,7 +125,8 @@ def test_descending_ohlcv_is_sorted_with_a_warning_naming_the_file(tmp_path: Pat
 def test_unordered_ticks_are_stably_sorted_with_a_warning(tmp_path: Path) -> None:
     text = ("timestamp,price,size\n2024-01-02 14:30:00.5,10,1\n2024-01-02 14:30:00.2,11,2\n"
             "2024-01-02 14:30:00.9,12,3\n")
-    with pytest.warns(UserWarning, match="not in time order"):
+    with pytest.warns(UserWarning, match=r"not in time order \(1 stamped before the row they "
+                                         r"follow, first: data row 2\)"):
         b = load_bars(DataConfig(source="ticks", path=_csv(tmp_path, text), bar_size="1s"))
     assert b.open[0] == 11 and b.close[0] == 12
 

@@ -337,8 +337,10 @@ def _order(ts: np.ndarray, path: Path, what: str) -> np.ndarray | None:
         warnings.warn(f"{path}: {what} are in descending time order; sorted ascending",
                       stacklevel=3)
         return np.arange(ts.shape[0] - 1, -1, -1)
-    warnings.warn(f"{path}: {what} are not in time order; sorted ascending (stable)",
-                  stacklevel=3)
+    back = np.flatnonzero(ts[1:] < ts[:-1])
+    warnings.warn(f"{path}: {what} are not in time order ({back.shape[0]} stamped before the "
+                  f"row they follow, first: data row {int(back[0]) + 2}); sorted ascending "
+                  "(stable)", stacklevel=3)
     return np.argsort(ts, kind="stable")
 
 
