@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import itertools
 import os
+import shutil
 import sys
 import tomllib
 import typing
@@ -317,7 +318,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jdqn: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        oom = _out_of_memory(e)
+        if oom is None:
+            raise
+        print(f"jdqn: error: {oom}", file=sys.stderr)
+        return 1
 
+
+def _out_of_memory(e: BaseException) -> str | None:
+    """One line for XLA's out-of-memory error (a size in range that the device cannot hold),
+    naming the settings that set the large buffers; None for any other error."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+        return None
+    import re
+
+    size = re.search(r"allocating (\d+) bytes", text)
+    what = f" ({int(size.group(1)) / 2**30:.1f} GiB in one buffer)" if size else ""
+    return (f"out of device memory{what}: the replay (train.replay_capacity × about 92 bytes "
+            "per transition, per seed), the envs (env.n_envs) and the batch "
+            "(train.batch_size) set the largest buffers; lower them, or run fewer "
+            "train.seeds at once")
 
 @contextlib.contextmanager
 def _discard_if_unstarted(out: Path | None, existed: set[Path]):
@@ -326,18 +348,36 @@ def _discard_if_unstarted(out: Path | None, existed: set[Path]):
     features) leaves no run behind: the ``config.toml`` goes, and so do the folders this
     invocation created (``existed`` holds those there before it: they stay, emptied of nothing
     but our file). The folder can then be used again without ``--resume``, and failed attempts
-    leave no empty ``runs/<config>/<stamp>`` folders. A run that got further (logs,
-    checkpoints) keeps everything."""
+    leave no empty ``runs/<config>/<stamp>`` folders (:func:`_unstarted`: opened logs with no
+    epoch in them count as nothing). A run that got further (a logged epoch, a checkpoint)
+    keeps everything."""
     try:
         yield
     except BaseException:
-        if out is not None and out.is_dir() and {p.name for p in out.iterdir()} <= {"config.toml"}:
-            (out / "config.toml").unlink(missing_ok=True)
+        if out is not None and out.is_dir() and _unstarted(out):
+            for p in out.iterdir():  # a fresh folder: everything in it is this run's
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
             for d in (out, *out.parents):
                 if d in existed or d == Path(".") or any(d.iterdir()):
                     break
                 d.rmdir()
         raise
+
+
+def _unstarted(out: Path) -> bool:
+    """Whether a fresh run folder holds no result: no epoch logged (``metrics.jsonl`` absent or
+    empty) and no checkpoint written, only what opening the run made (``config.toml``, the
+    empty log, checkpoint and TensorBoard folders — the last with event files of no scalar).
+    A failure there (out of device memory while the training state is allocated, a Ctrl-C
+    during compilation) leaves nothing a retry would have to ``--resume``."""
+    known = {"config.toml", "metrics.jsonl", "checkpoints", "tensorboard"}
+    if not {p.name for p in out.iterdir()} <= known:
+        return False
+    log = out / "metrics.jsonl"
+    if log.exists() and log.stat().st_size:
+        return False
+    ckpt = out / "checkpoints"
+    return not (ckpt.is_dir() and any(ckpt.iterdir()))
 
 
 def _primary_prepares_the_folder(cfg: Config, args: argparse.Namespace) -> Path:

@@ -427,3 +427,41 @@ def test_resume_config_diff_names_a_setting_the_saved_config_lacks():
     older = now.replace("[train]\n", "[train]\nold_knob = 3\n", 1)
     assert _config_diff(older, now) == "train.old_knob: 3 → '<unset>'"
     assert _config_diff(now, now) == "formatting only"
+
+
+def test_out_of_device_memory_is_one_line_and_leaves_no_run_behind(tmp_path, monkeypatch,
+                                                                   capsys):
+    """A size in range that the device cannot hold (replay_capacity = 2³⁰: 30 GB) fails while
+    the training state is allocated, after the logs were opened: one line naming the settings,
+    exit 1, and the folder holds nothing a retry would have to --resume."""
+    import jax
+
+    import jdqn.main as cli_main
+    import jdqn.train.job as job_lib
+
+    def fake_run_job(cfg, out, resume=False):
+        (out / "metrics.jsonl").touch()
+        (out / "checkpoints").mkdir()
+        (out / "tensorboard").mkdir()
+        (out / "tensorboard" / "events.out.tfevents.0").write_bytes(b"header")
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30064771072 bytes. "
+            "allocating 30064771072 bytes")
+
+    monkeypatch.setattr(job_lib, "run_job", fake_run_job)
+    monkeypatch.setenv("JDQN_XLA_CACHE", "0")
+    out = tmp_path / "o"
+    assert cli_main.main(["--config", "configs/quickstart.toml", "--output-dir", str(out)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("jdqn: error: out of device memory (28.0 GiB")
+    assert "train.replay_capacity" in err[0]
+    assert not out.exists()
+
+    def logged_run_job(cfg, out, resume=False):  # an epoch logged: the run is kept
+        (out / "metrics.jsonl").write_text('{"epoch": 0}\n')
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(job_lib, "run_job", logged_run_job)
+    with pytest.raises(RuntimeError, match="something else"):
+        cli_main.main(["--config", "configs/quickstart.toml", "--output-dir", str(out)])
+    assert (out / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
