@@ -508,6 +508,23 @@ def _validate(obj: Any, prefix: str) -> None:
         raise ConfigError(f"{p}n_bars × {p}bar_seconds = {obj.n_bars} × {obj.bar_seconds} s "
                           f"spans more than the {_SYNTHETIC_SPAN_S:.0e} s (≈ 158 years) the "
                           "synthetic market's nanosecond timestamps can hold")
+    if isinstance(obj, DataConfig):
+        if obj.timezone.strip():  # an empty one is named where the data is read
+            import zoneinfo
+
+            try:
+                zoneinfo.ZoneInfo(obj.timezone)
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+                raise ConfigError(f"{p}timezone = {obj.timezone!r} is not an IANA time zone "
+                                  "(e.g. 'UTC', 'America/Chicago')") from None
+        if obj.bar_type == "time":  # checked here, not only where a file's bars are built
+            from jdqn.data.bars import parse_bar_size
+            from jdqn.errors import DataError
+
+            try:
+                parse_bar_size(obj.bar_size)
+            except DataError as e:
+                raise ConfigError(f"{p}{str(e).removeprefix('data.')}") from None
     if isinstance(obj, DataConfig) and obj.source == "synthetic":
         given = ([f"{p}path = {obj.path!r}"] if obj.path else []) + (
             [f"{p}columns"] if obj.columns != ColumnMap() else [])

@@ -218,6 +218,16 @@ def test_a_duplicated_column_name_is_named(tmp_path: Path) -> None:
     assert "column 'price' (data.columns.price) appears 2 times" in msg
 
 
+def test_aggressor_volumes_above_the_volume_are_refused(tmp_path: Path) -> None:
+    text = ("timestamp,open,high,low,close,volume,buys,sells\n"
+            "2024-01-02 14:31:00,10,11,9,10.5,100,60,40\n"
+            "2024-01-02 14:32:00,10.5,11,10,10.75,50,200,50\n")  # the volumes mislabelled
+    cols = ColumnMap(buy_volume="buys", sell_volume="sells")
+    msg = _error(_ohlcv(tmp_path, text, columns=cols))
+    assert "in.csv: bar 1: buy_volume + sell_volume = 250 exceeds the bar's volume 50" in msg
+    assert len(load_bars(_ohlcv(tmp_path, text.replace("200,50", "10,40"), columns=cols))) == 2
+
+
 def _bars_csv(stamps: pd.DatetimeIndex) -> str:
     return "timestamp,open,high,low,close,volume\n" + "".join(
         f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)

@@ -129,7 +129,10 @@ def _perturb_bars(b: Bars, t: int, rng: np.random.Generator) -> Bars:
     arrays["high"][k] *= 1.001
     for name in ("volume", "buy_volume", "sell_volume"):
         arrays[name] = arrays[name].copy()
-        arrays[name][k] = rng.integers(1, 999, n)
+    arrays["volume"][k] = rng.integers(2, 999, n)
+    # new aggressor volumes, parts of the new volume (Bars.check's invariant)
+    arrays["buy_volume"][k] = np.floor(arrays["volume"][k] * rng.uniform(0, 1, n))
+    arrays["sell_volume"][k] = arrays["volume"][k] - arrays["buy_volume"][k]
     arrays["ts"] = arrays["ts"].copy()
     arrays["ts"][k] = b.ts[t] + (b.ts[k] - b.ts[t]) * 3
     # each later bar's first event somewhere between the previous close and its own

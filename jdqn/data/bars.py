@@ -57,6 +57,9 @@ def session_gaps(close_ts: np.ndarray) -> np.ndarray:
 def parse_bar_size(text: str) -> int:
     """'30s', '1min', '5min', '1h', '1d' → bar length in nanoseconds (1 s … 1 d)."""
     m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]+)\s*", text or "")
+    if m and m.group(2) == "M":  # pandas' month, not our minute
+        raise DataError(f"data.bar_size = {text!r}: 'M' is ambiguous (pandas reads it as "
+                        "month); write 'min' for minutes")
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise DataError(f"data.bar_size = {text!r}: expected a number and a unit, e.g. '30s', "
@@ -135,6 +138,16 @@ class Bars:
                 raise DataError(f"{self.source}: {name} is unknown (NaN) at bar {first} but "
                                 f"known at others: the aggressor volumes must be known for "
                                 f"every bar or for none")
+        # the aggressor volumes are shares of the volume: more is a mislabelled column
+        over = np.flatnonzero(self.buy_volume + self.sell_volume
+                              > self.volume * (1 + 1e-9) + 1e-9)  # NaN compares False
+        if over.shape[0]:
+            i = int(over[0])
+            raise DataError(f"{self.source}: bar {i}: buy_volume + sell_volume = "
+                            f"{self.buy_volume[i] + self.sell_volume[i]:g} exceeds the bar's "
+                            f"volume {self.volume[i]:g} ({over.shape[0]} bars do): the "
+                            "aggressor volumes are parts of the volume — check which columns "
+                            "data.columns maps")
         return self
 
 
