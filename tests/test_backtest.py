@@ -111,6 +111,32 @@ def test_stride_evaluates_k_bar_bars_with_original_bar_indices():
     assert res.net_pnl.sum() == pytest.approx(MULT * (exit_open - o[lo + 1]), abs=1e-9)
 
 
+def test_a_strided_backtests_cvar_sizing_sees_the_k_bar_history_before_its_period():
+    """The CVaR factor of the first decisions of a strided backtest comes from the k-bar
+    returns before the period (as a stride-1 backtest's comes from the bars before it); built
+    from the period alone it started at full size. Every decision's size here equals the CVaR
+    cap computed on the k-bar closes of the whole history."""
+    feats, o, h, lo_, c = random_bars(3000, 4, seed=5, step_sd=3.0)
+    sz = SizingConfig(conviction=False, variance=False, kelly=False, cvar=True,
+                      cvar_limit=2e-4)
+    params = E.make_params(feats, o, h, lo_, c, EnvConfig(sizing=sz), state_width=W)
+    k, lo, hi = 5, 1500, 2500
+
+    def long_always(pp, obs, ctx):
+        n = obs.shape[0]
+        act = jnp.stack([jnp.full((n,), E.LONG), jnp.full((n,), 2), jnp.zeros(n, jnp.int32),
+                         jnp.zeros(n, jnp.int32)], -1).astype(jnp.int32)
+        return act, E.PolicyAux.confident(n)
+
+    res = rollout(params, long_always, jnp.int32(0), lo=lo, hi=hi, stride=k)
+    closes = c[lo % k::k]  # every k-bar close from the start of the data, on lo's grid
+    risk = E.cvar_series(closes, sz, 1.0, EnvConfig().contract_multiplier,
+                         EnvConfig().initial_equity)[(lo - lo % k) // k:][:res.n_bars]
+    want = np.clip(sz.cvar_limit / np.maximum(risk, 1e-12), sz.cvar_floor, 1.0)
+    assert want[0] < 1.0  # the history's risk caps the first decision: the test can fail
+    np.testing.assert_allclose(res.size_scale[:-1], want[:-1], rtol=1e-5)
+
+
 def test_stride_charges_holding_cost_per_original_bar_and_keeps_limit_expiry_in_time():
     from jdqn.evaluate.backtest import strided_cfg
 

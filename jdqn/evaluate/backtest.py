@@ -247,14 +247,19 @@ def _setup(params: EnvParams, lo: int | None, hi: int | None, n_windows: int, st
     if stride > 1:
         host = [np.asarray(a) for a in (params.features, params.open, params.high, params.low,
                                          params.close)]
-        *arrays, bar_map = strided_arrays(*host, lo, hi, stride)
-        if len(bar_map) < 2:
+        # k-bar bars of history before lo, on the same grid: the CVaR sizing input of the first
+        # decisions is computed over the k-bar returns before them, as a stride-1 backtest's
+        # is over the bars before lo (built from the period alone, it started from zero
+        # returns and so at full size); no decision is made on them
+        hist = min(lo // stride, int(params.cfg.sizing.cvar_window))
+        *arrays, bar_map = strided_arrays(*host, lo - stride * hist, hi, stride)
+        if len(bar_map) - hist < 2:
             raise EnvInputError(f"period [{lo}, {hi}) is too short for stride {stride}")
-        params = make_params(*arrays, strided_cfg(params.cfg, stride), lo=0, hi=len(bar_map),
-                             training=False,
+        params = make_params(*arrays, strided_cfg(params.cfg, stride), lo=hist,
+                             hi=len(bar_map), training=False,
                              state_width=params.state_width,
                              portfolio_offset=params.portfolio_offset)
-        lo, hi = 0, len(bar_map)
+        lo, hi = hist, len(bar_map)
     else:
         # The env clamps fills and episode ends to the params' own window, so the params must
         # carry [lo, hi) itself (a backtest of a later period with the training window's params
