@@ -80,6 +80,23 @@ def test_eval_windows_too_short_to_score_the_policy_are_refused_before_training(
         job_lib.prepare(tiny_config("eval.n_windows=1000"))
 
 
+def test_a_momentum_lookback_reaching_before_the_data_is_refused(monkeypatch):
+    from jdqn.train.folds import check_momentum_lookback
+
+    plan = plan_folds(3000, 50, TrainConfig(n_folds=2))
+    first = plan.folds[0].val[0]
+    check_momentum_lookback(plan, first, 1)
+    check_momentum_lookback(plan, first // 4, 4)
+    with pytest.raises(ConfigError, match=rf"eval.momentum_lookback = {first + 1} .* use ≤ "
+                                          rf"{first}"):
+        check_momentum_lookback(plan, first + 1, 1)
+    with pytest.raises(ConfigError, match=r"× eval.stride = 4 bars"):
+        check_momentum_lookback(plan, first // 4 + 1, 4)
+    monkeypatch.setattr(job_lib, "Learner", None)  # refused in prepare(), before the learner
+    with pytest.raises(ConfigError, match="eval.momentum_lookback = 100000"):
+        job_lib.prepare(tiny_config("eval.momentum_lookback=100000"))
+
+
 def test_an_eval_stride_too_long_for_a_window_is_refused_before_training(monkeypatch):
     plan = plan_folds(3000, 50, TrainConfig(n_folds=2))
     lens = [hi - 1 - lo for lo, hi in [f.val for f in plan.folds] + [plan.test]]

@@ -247,11 +247,12 @@ def _setup(params: EnvParams, lo: int | None, hi: int | None, n_windows: int, st
     if stride > 1:
         host = [np.asarray(a) for a in (params.features, params.open, params.high, params.low,
                                          params.close)]
-        # k-bar bars of history before lo, on the same grid: the CVaR sizing input of the first
-        # decisions is computed over the k-bar returns before them, as a stride-1 backtest's
-        # is over the bars before lo (built from the period alone, it started from zero
-        # returns and so at full size); no decision is made on them
-        hist = min(lo // stride, int(params.cfg.sizing.cvar_window))
+        # the k-bar bars of the history before lo, on the same grid: what the first decisions
+        # look back on — the CVaR sizing input over the k-bar returns before them, as a
+        # stride-1 backtest's over the bars before lo (built from the period alone it started
+        # from zero returns, at full size), a momentum baseline's lookback; no decision is
+        # made on them
+        hist = lo // stride
         *arrays, bar_map = strided_arrays(*host, lo - stride * hist, hi, stride)
         if len(bar_map) - hist < 2:
             raise EnvInputError(f"period [{lo}, {hi}) is too short for stride {stride}")

@@ -108,3 +108,16 @@ def check_eval_windows(plan: FoldPlan, n_windows: int, stride: int) -> None:
                 f"eval.n_windows = {n_windows} cuts {name} [{lo}, {hi}) ({periods} decisions) "
                 f"into windows of {steps} steps, each ending in a forced liquidation (need ≥ "
                 f"{MIN_WINDOW_STEPS} steps); these windows allow eval.n_windows ≤ {largest}")
+
+
+def check_momentum_lookback(plan: FoldPlan, lookback: int, stride: int) -> None:
+    """Refuse an ``eval.momentum_lookback`` that reaches before the first bar from the first
+    evaluated decision (fold 0's validation window): the baseline's past close is clamped to
+    bar 0 there, so it compared against the series' start — buy-and-hold in an up market —
+    without a word."""
+    first = plan.folds[0].val[0]
+    if lookback * stride > first:
+        raise ConfigError(
+            f"eval.momentum_lookback = {lookback} (× eval.stride = {stride} bars) reaches "
+            f"before the first bar from fold 0's first validation decision (bar {first}); "
+            f"use ≤ {first // stride}, or more data")

@@ -39,7 +39,13 @@ from jdqn.evaluate.report import write_report, write_seed_summary
 from jdqn.train import ahead as ahead_lib
 from jdqn.train import distributed, parallel, safety
 from jdqn.train.epoch import greedy_policy, make_epoch_fn, select_seeds
-from jdqn.train.folds import FoldPlan, check_eval_stride, check_eval_windows, plan_folds
+from jdqn.train.folds import (
+    FoldPlan,
+    check_eval_stride,
+    check_eval_windows,
+    check_momentum_lookback,
+    plan_folds,
+)
 from jdqn.train.logger import RunLogger
 from jdqn.train.policy import fold_reset_policy
 from jdqn.train.reset import apply_reset, check_policy_covers
@@ -75,6 +81,8 @@ def prepare(cfg: Config) -> Prepared:
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
     check_eval_stride(plan, cfg.eval.stride)
     check_eval_windows(plan, cfg.eval.n_windows, cfg.eval.stride)
+    if "momentum" in cfg.eval.baselines:
+        check_momentum_lookback(plan, cfg.eval.momentum_lookback, cfg.eval.stride)
     shortest = min(f.train[1] - f.train[0] for f in plan.folds)
     if shortest < cfg.env.episode_length + 1:
         raise ConfigError(f"env.episode_length = {cfg.env.episode_length} does not fit the "
