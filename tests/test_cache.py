@@ -98,6 +98,16 @@ def test_empty_cache_dir_disables_the_cache(tmp_path: Path) -> None:
     assert load_or_build(cfg)[2] is False and load_or_build(cfg)[2] is False
 
 
+def test_a_cache_dir_that_cannot_be_written_names_the_setting(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a folder cannot be made under a file
+    cfg = Config(data=DataConfig(cache_dir=str(blocker / "cache"),
+                                 synthetic=SyntheticConfig(n_bars=600)))
+    with pytest.raises(CacheError, match=r"data.cache_dir = '.*file/cache': cannot write the "
+                                         r"feature cache .*; point it at a writable folder"):
+        load_or_build(cfg)
+
+
 def test_missing_input_is_a_data_error_not_a_traceback(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, source="ticks", path=str(tmp_path / "nope.csv"))
     with pytest.raises(DataError, match=r"nope\.csv: data file not found"):

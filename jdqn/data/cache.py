@@ -183,5 +183,10 @@ def load_or_build(cfg: Any) -> tuple[Bars, FeatureSet, bool]:
             return hit[0], hit[1], True
     bars = load_bars(data)
     feats = build_features(bars, features)
-    save(path, key, bars, feats)
+    try:
+        save(path, key, bars, feats)
+    except OSError as e:  # a folder that cannot be made or written: name the setting
+        raise CacheError(f"data.cache_dir = {data.cache_dir!r}: cannot write the feature cache "
+                         f"{e.filename or path} ({e.strerror or e}); point it at a writable "
+                         "folder, or '' for no cache") from None
     return bars, feats, False
