@@ -131,6 +131,16 @@ def test_a_failed_save_names_both_steps_and_a_full_disk_is_an_os_error(tmp_path,
     with pytest.raises(CheckpointError, match=r"cannot save checkpoint step 2 \(or finish the "
                                               r"asynchronous save of step 1\).*complaint"):
         ck.save(2, st, {"val_sharpe": 0.1})
+    # the last asynchronous save failing while the run waits for it (at the end of training):
+    # a full disk is the machine's error, naming the step, not a bad checkpoint (exit 1, not 2)
+    monkeypatch.setattr(ck._mngr, "wait_until_finished", full)
+    with pytest.raises(OSError, match=r"the asynchronous save of checkpoint step 1 in .*ck "
+                                      r"failed: No space left") as info:
+        ck.wait()
+    assert info.value.errno == 28 and not isinstance(info.value, CheckpointError)
+    monkeypatch.setattr(ck._mngr, "wait_until_finished", broken)
+    with pytest.raises(CheckpointError, match=r"step 1 in .*ck failed: ValueError"):
+        ck.wait()
     monkeypatch.undo()
     ck.close()
 

@@ -634,8 +634,13 @@ class Checkpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"an asynchronous checkpoint save in {self.directory} "
-                                  f"failed: {_first_line(e)}") from e
+            what = ("an asynchronous checkpoint save" if self._last_started is None else
+                    f"the asynchronous save of checkpoint step {self._last_started}")
+            os_error = _os_error_in(e)
+            if os_error is not None:  # a full disk, a vanished folder: the CLI's exit code 1
+                raise OSError(os_error.errno, f"{what} in {self.directory} failed: "
+                              f"{os_error.strerror or os_error}", os_error.filename) from e
+            raise CheckpointError(f"{what} in {self.directory} failed: {_first_line(e)}") from e
 
     def close(self) -> None:
         self.wait()
