@@ -141,6 +141,17 @@ def test_a_failed_save_names_both_steps_and_a_full_disk_is_an_os_error(tmp_path,
     monkeypatch.setattr(ck._mngr, "wait_until_finished", broken)
     with pytest.raises(CheckpointError, match=r"step 1 in .*ck failed: ValueError"):
         ck.wait()
+
+    def full_tensorstore(*a, **k):  # tensorstore reports the OS error inside a ValueError
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "params/0" in OCDBT database: '
+                         'Failed writing: "/ck/1/d/x": Failed to write 183 bytes to file 15: '
+                         "No space left on device [os_error_code='28']")
+
+    monkeypatch.setattr(ck._mngr, "save", full_tensorstore)
+    with pytest.raises(OSError, match=r"cannot save checkpoint step 2 .*: No space left on "
+                                      r"device") as info:
+        ck.save(2, st, {"val_sharpe": 0.1})
+    assert info.value.errno == 28 and info.value.filename == "/ck/1/d/x"
     monkeypatch.undo()
     ck.close()
 
@@ -285,6 +296,8 @@ def test_orbax_read_failures_left_unretrieved_are_not_printed_again(tmp_path):
     orphan = "Task exception was never retrieved\nfuture: <Task finished ...>"
     assert f.filter(record(orphan, orbax_exc)) is False
     assert f.filter(record(orphan, other_exc)) is True
+    gathering = "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture …>"
+    assert f.filter(record(gathering, orbax_exc)) is False  # a failed save's gathered writes
     assert f.filter(record(orphan, None)) is True
     assert f.filter(record("Unclosed client session", orbax_exc)) is True
     # a restore installs it on asyncio's logger, once
@@ -479,3 +492,23 @@ def test_loop_state_damage_and_unreadable_dtypes_are_refused(tmp_path):
     with Checkpointer(tmp_path / "ck4") as ck, pytest.raises(CheckpointError,
                                                              match=r"\['q'\] \(int4\)"):
         ck.save(1, {"q": jnp.zeros(4, jnp.int4)}, {"val_sharpe": 0.0})
+
+
+def test_orbax_error_records_keep_their_line_and_lose_the_traceback():
+    """A full disk during an asynchronous save: each orbax thread logged its traceback (600
+    lines around our one-line error); the filter keeps each record's line only, and leaves
+    everyone else's records alone."""
+    import logging
+
+    from jdqn.train.checkpoint import OrbaxTracebackFilter
+
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as e:
+        info = (type(e), e, e.__traceback__)
+    f = OrbaxTracebackFilter()
+    for path, kept in (("/site-packages/orbax/checkpoint/_src/futures/future.py", False),
+                       ("/site-packages/mylib/x.py", True)):
+        rec = logging.LogRecord("absl", logging.ERROR, path, 1, "thread raised", None, info)
+        assert f.filter(rec) is True and rec.getMessage() == "thread raised"
+        assert (rec.exc_info is not None) is kept

@@ -52,6 +52,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -347,13 +348,24 @@ def _decode_keys(restored: PyTree, abstract_state: PyTree, impls: dict[str, str]
 
 
 def _os_error_in(e: BaseException) -> OSError | None:
-    """The first OSError in ``e``'s chain of causes (orbax wraps its writers' errors)."""
-    seen = set()
+    """The first OSError in ``e``'s chain of causes (orbax wraps its writers' errors), or one
+    made from the first error of tensorstore's that carries an operating-system error code
+    (``… No space left on device [os_error_code='28']`` in a ValueError)."""
+    import re
+
+    seen, chain = set(), []
     while e is not None and id(e) not in seen:
         if isinstance(e, OSError):
             return e
         seen.add(id(e))
+        chain.append(e)
         e = e.__cause__ or e.__context__
+    for err in chain:
+        code = re.search(r"\[os_error_code='(\d+)'\]", str(err))
+        if code:
+            path = re.search(r'Failed writing: "([^"]+)"', str(err))
+            n = int(code.group(1))
+            return OSError(n, os.strerror(n), path.group(1) if path else None)
     return None
 
 
@@ -393,6 +405,7 @@ def _quiet_failed_reads() -> None:
     if _QUIET_HOOK_INSTALLED:
         return
     logging.getLogger("asyncio").addFilter(OrphanedReadFailureFilter())
+    logging.getLogger("absl").addFilter(OrbaxTracebackFilter())
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -403,6 +416,19 @@ def _quiet_failed_reads() -> None:
 
     sys.unraisablehook = hook
     _QUIET_HOOK_INSTALLED = True
+
+
+class OrbaxTracebackFilter(logging.Filter):
+    """Keeps orbax's own error records to their one line: a failed asynchronous save (a full
+    disk) made each of orbax's background threads log its traceback — 600 lines around the
+    one-line error :meth:`Checkpointer.wait` raises, which names the step and the folder.
+    Records from elsewhere pass untouched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in (record.pathname or "") and record.exc_info:
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 class OrphanedReadFailureFilter(logging.Filter):
@@ -416,7 +442,8 @@ class OrphanedReadFailureFilter(logging.Filter):
     task failures whose traceback does not run through orbax."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Task exception was never retrieved"):
+        first = str(record.msg).split("\n", 1)[0]
+        if not first.endswith("exception was never retrieved"):  # a Task's or a Future's
             return True
         exc = record.exc_info[1] if record.exc_info else None
         tb = exc.__traceback__ if exc is not None else None
@@ -441,6 +468,7 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self._async = async_save
         self._last_started: int | None = None
+        _quiet_failed_reads()  # and failed writes: orbax's threads' tracebacks (a full disk)
         problem = checkpoint_path_problem(self.directory)
         if problem:
             raise CheckpointError(f"checkpoint directory {self.directory}: {problem}; use a "
