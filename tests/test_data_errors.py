@@ -228,6 +228,14 @@ def test_aggressor_volumes_above_the_volume_are_refused(tmp_path: Path) -> None:
     assert len(load_bars(_ohlcv(tmp_path, text.replace("200,50", "10,40"), columns=cols))) == 2
 
 
+def test_unix_stamps_read_in_too_fine_a_unit_are_named(tmp_path: Path) -> None:
+    text = "timestamp,price,size\n1704205800,10,1\n1704205800.5,11,1\n1704205801.2,12,1\n"
+    msg = _error(_ticks(tmp_path, text, timestamp_format="unix_ms"))  # they are seconds
+    assert "in.csv: every timestamp read as unix_ms falls within a year of 1970-01-01" in msg
+    assert "'unix_s'" in msg
+    assert len(load_bars(_ticks(tmp_path, text, timestamp_format="unix_s"))) == 3
+
+
 def _bars_csv(stamps: pd.DatetimeIndex) -> str:
     return "timestamp,open,high,low,close,volume\n" + "".join(
         f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)

@@ -33,6 +33,7 @@ from jdqn.errors import DataError
 
 _UNIX = {"unix_s": NS, "unix_ms": 1_000_000, "unix_us": 1_000, "unix_ns": 1}
 _TS_MIN, _TS_MAX = -2_208_988_800 * NS, 7_258_118_400 * NS  # 1900-01-01, 2200-01-01 (UTC)
+_YEAR_NS = 365 * 86_400 * NS  # unix stamps all within it of the epoch: a unit too fine
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,12 @@ def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
             i = int(np.flatnonzero(out_of_range)[0])
             raise DataError(f"{t.where(i, name)}: timestamp {v[i]:g} is out of range for "
                             f"{fmt} (years 1900–2200)")
+        if v.shape[0] and (np.abs(v * _UNIX[fmt]) < _YEAR_NS).all():
+            coarser = [u for u, n in _UNIX.items() if n > _UNIX[fmt]]
+            raise DataError(f"{t.path}: every timestamp read as {fmt} falls within a year of "
+                            f"1970-01-01 (first: {v[0]:g}), so they were written in a coarser "
+                            f"unit; set data.timestamp_format to "
+                            f"{' or '.join(repr(u) for u in coarser)}")
         raw = t.column(name, "timestamp")
         if pa.types.is_integer(raw.type):
             return raw.to_numpy(zero_copy_only=False).astype(np.int64) * _UNIX[fmt]
