@@ -135,6 +135,24 @@ def test_each_fold_normalises_on_its_own_train_window_only():
 
 
 @pytest.mark.slow
+def test_epochs_before_the_first_update_use_no_patience(tmp_path):
+    """The replay fills to min_replay only in epoch 2 (512 transitions an epoch): epochs 0–1
+    run no update, so their validation is the untrained network's, repeated. They used to
+    count as epochs without improvement — with patience 1 the fold ended after epoch 1 and the
+    never-trained network went on to the test. Now they neither improve nor use patience, and
+    their update diagnostics are null (not a loss of 0.0)."""
+    cfg = tiny_config("train.n_folds=1", "train.epochs_per_fold=4", "train.patience=1",
+                      "train.min_replay=1100", "logging.tensorboard=false",
+                      "checkpoint.enabled=false")
+    report = job_lib.run_job(cfg, tmp_path, quiet=True)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    updates = [r["optim"]["updates"] for r in recs]
+    assert updates[:2] == [0, 0] and updates[2] > 0, updates
+    assert recs[0]["loss"]["total"] is None and recs[2]["loss"]["total"] is not None
+    assert recs[0]["val"]["sharpe"] == recs[1]["val"]["sharpe"]  # the same untrained params
+    assert report["folds"][0]["epochs"] >= 3  # it trained
+
+
 def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
     """One fold, patience 1: the fold ends at the first epoch whose validation Sharpe does not
     beat the best so far (or after the last epoch). The parameters carried to the test window

@@ -425,11 +425,15 @@ def make_epoch_fn(learner: Learner):
 
     def summary(state: TrainState, m: dict[str, Any]) -> dict[str, Any]:
         """One seed's epoch metrics from its per-iteration metrics (leaves ``[iters, ...]``)."""
-        n_up = jnp.maximum(jnp.sum(m["n_updates"]), 1.0)
+        n_up = jnp.sum(m["n_updates"])
         n_col = float(c.iters_per_epoch * c.collect_steps)
         out = {
             "collect": jax.tree.map(lambda x: jnp.sum(x, axis=0) / n_col, m["collect"]),
-            "update": jax.tree.map(lambda x: jnp.sum(x, axis=0) / n_up, m["update"]),
+            # an epoch without updates (replay below min_replay) has no update metrics: NaN,
+            # written as null, not a loss of 0.0 that reads as a perfect fit
+            "update": jax.tree.map(
+                lambda x: jnp.where(n_up > 0, jnp.sum(x, axis=0) / jnp.maximum(n_up, 1.0),
+                                    jnp.nan), m["update"]),
             "n_updates": jnp.sum(m["n_updates"]),
             "replay_size": state.replay.size,
             "q_abs_ema": state.q_abs_ema,  # (the same on every device: q_abs_mean is global)

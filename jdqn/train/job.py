@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -472,11 +473,18 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             val = distributed.broadcast_json(val)
             last_val = val
             improved = []
+            updated = np.asarray(metrics["n_updates"]).reshape(-1) > 0
             for s in range(n_seeds):
                 if not active[s]:
                     improved.append(False)
                     continue
                 progress["epochs_trained"][s] += 1
+                if not updated[s % updated.shape[0]]:
+                    # the replay not yet at min_replay: no update, the params did not move,
+                    # so this epoch neither improves nor uses up patience (an untrained
+                    # network could otherwise end the fold and go on as its best)
+                    improved.append(False)
+                    continue
                 sharpe = _rank(val[s]["sharpe"])
                 best = progress["best_val"][s]
                 better = best is None or sharpe > best
@@ -526,8 +534,12 @@ def _rank(sharpe: Any) -> float:
 
 
 def _mean(x: Any) -> Any:
+    """The mean over the seeds of a diagnostic, leaving out the seeds that have none (NaN: no
+    update this epoch); NaN when no seed has one."""
     a = np.asarray(x, np.float64)
-    return float(a.mean()) if a.ndim <= 1 else a.mean(axis=0).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: the mean is NaN
+        return float(np.nanmean(a)) if a.ndim <= 1 else np.nanmean(a, axis=0).tolist()
 
 
 def _epoch_record(fold: int, epoch: int, m: dict[str, Any], val: list[dict[str, Any]],

@@ -133,8 +133,9 @@ class RunLogger:
                 if not isinstance(node, dict) or p not in node:
                     return "-"
                 node = node[p]
-            if isinstance(node, list):
-                node = sum(node) / max(len(node), 1)
+            if isinstance(node, list):  # per branch; null (no value) entries left out
+                vals = [v for v in node if isinstance(v, (int, float))]
+                node = sum(vals) / len(vals) if vals else None
             return fmt.format(node) if isinstance(node, (int, float)) else "-"
 
         return (f"fold {r.get('fold')} ep {r.get('epoch'):>3} | loss {g('loss.total')} "
