@@ -236,6 +236,14 @@ def test_unix_stamps_read_in_too_fine_a_unit_are_named(tmp_path: Path) -> None:
     assert len(load_bars(_ticks(tmp_path, text, timestamp_format="unix_s"))) == 3
 
 
+def test_a_bar_months_after_the_one_before_draws_a_warning_naming_it(tmp_path: Path) -> None:
+    text = TICKS + "2031-01-02 14:30:02.000,4000.75,1\n2031-01-02 14:30:03.000,4000.5,1\n"
+    with pytest.warns(UserWarning, match=r"in.csv: bar 1 \(close 2031-01-02T14:30:02 UTC\) "
+                                         r"closes \d+ days after the bar before it"):
+        b = load_bars(_ticks(tmp_path, text))
+    assert len(b) == 3  # used as it is
+
+
 def _bars_csv(stamps: pd.DatetimeIndex) -> str:
     return "timestamp,open,high,low,close,volume\n" + "".join(
         f"{s:%Y-%m-%d %H:%M:%S},10,11,9,10.5,100\n" for s in stamps)

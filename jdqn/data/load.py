@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -53,7 +54,28 @@ def load_bars(cfg: DataConfig) -> Bars:
         raise DataError(f"data.source = {cfg.source!r}: expected synthetic, ticks, ohlcv or dbn")
     bars = load(path, cfg)
     check_jumps(bars, cfg.max_jump, str(path))
+    warn_long_gaps(bars, str(path))
     return bars
+
+
+LONG_GAP_DAYS = 30  # no exchange closes a futures market this long: a bar after it is suspect
+
+
+def warn_long_gaps(bars: Bars, source: str) -> None:
+    """Warn (naming the first) about bars that close more than :data:`LONG_GAP_DAYS` days after
+    the previous bar: one mistyped stamp (a year too late) becomes a bar after a gap of months,
+    and every bar-count statistic spans it; a sample that really has such holes (separate
+    contract periods) loads as it is."""
+    if len(bars.ts) < 2:
+        return
+    gap = (bars.ts[1:] - bars.ts[:-1]) / (86_400 * 1e9)
+    long = np.flatnonzero(gap > LONG_GAP_DAYS)
+    if long.size:
+        i = int(long[0]) + 1
+        when = np.datetime_as_string(np.datetime64(int(bars.ts[i]), "ns"), unit="s")
+        warnings.warn(f"{source}: bar {i} (close {when} UTC) closes {gap[i - 1]:.0f} days after "
+                      f"the bar before it ({long.size} gaps over {LONG_GAP_DAYS} days): a "
+                      "mistyped timestamp? The series is used as it is", stacklevel=3)
 
 
 def check_jumps(bars: Bars, max_jump: float, source: str) -> None:
