@@ -510,13 +510,13 @@ def _validate(obj: Any, prefix: str) -> None:
                           "synthetic market's nanosecond timestamps can hold")
     if isinstance(obj, DataConfig):
         if obj.timezone.strip():  # an empty one is named where the data is read
-            import zoneinfo
+            import pandas as pd
 
-            try:
-                zoneinfo.ZoneInfo(obj.timezone)
-            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-                raise ConfigError(f"{p}timezone = {obj.timezone!r} is not an IANA time zone "
-                                  "(e.g. 'UTC', 'America/Chicago')") from None
+            try:  # what the loaders localise with: IANA names, 'utc', fixed offsets
+                pd.DatetimeIndex([]).tz_localize(obj.timezone)
+            except Exception:  # noqa: BLE001 — pandas/pytz/zoneinfo/OS errors alike
+                raise ConfigError(f"{p}timezone = {obj.timezone!r} is not a time zone pandas "
+                                  "knows (e.g. 'UTC', 'America/Chicago', '+01:00')") from None
         if obj.bar_type == "time":  # checked here, not only where a file's bars are built
             from jdqn.data.bars import parse_bar_size
             from jdqn.errors import DataError

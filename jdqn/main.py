@@ -330,11 +330,11 @@ def _out_of_memory(e: BaseException) -> str | None:
     """One line for XLA's out-of-memory error (a size in range that the device cannot hold),
     naming the settings that set the large buffers; None for any other error."""
     text = str(e)
-    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
-        return None
+    if "out of memory" not in text.lower() or "shared memory" in text.lower():
+        return None  # (a kernel's shared-memory limit is RESOURCE_EXHAUSTED too: not this)
     import re
 
-    size = re.search(r"allocating (\d+) bytes", text)
+    size = re.search(r"allocat\w* (\d+) bytes", text)  # CPU "allocating", GPU "to allocate"
     what = f" ({int(size.group(1)) / 2**30:.1f} GiB in one buffer)" if size else ""
     return (f"out of device memory{what}: the replay (train.replay_capacity × about 92 bytes "
             "per transition, per seed), the envs (env.n_envs) and the batch "
@@ -351,10 +351,14 @@ def _discard_if_unstarted(out: Path | None, existed: set[Path]):
     leave no empty ``runs/<config>/<stamp>`` folders (:func:`_unstarted`: opened logs with no
     epoch in them count as nothing). A run that got further (a logged epoch, a checkpoint)
     keeps everything."""
+    from jdqn.train.logger import EPOCHS_LOGGED
+
+    logged = EPOCHS_LOGGED[0]
     try:
         yield
     except BaseException:
-        if out is not None and out.is_dir() and _unstarted(out):
+        if (out is not None and out.is_dir() and EPOCHS_LOGGED[0] == logged
+                and _unstarted(out)):
             for p in out.iterdir():  # a fresh folder: everything in it is this run's
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             for d in (out, *out.parents):
@@ -365,11 +369,13 @@ def _discard_if_unstarted(out: Path | None, existed: set[Path]):
 
 
 def _unstarted(out: Path) -> bool:
-    """Whether a fresh run folder holds no result: no epoch logged (``metrics.jsonl`` absent or
-    empty) and no checkpoint written, only what opening the run made (``config.toml``, the
-    empty log, checkpoint and TensorBoard folders — the last with event files of no scalar).
-    A failure there (out of device memory while the training state is allocated, a Ctrl-C
-    during compilation) leaves nothing a retry would have to ``--resume``."""
+    """Whether a fresh run folder holds no result, by its files: no epoch in ``metrics.jsonl``
+    and no checkpoint, only what opening the run made (``config.toml``, the empty log,
+    checkpoint and TensorBoard folders). The caller also requires that this process logged no
+    epoch (TensorBoard's files alone do not say: with ``logging.jsonl = false`` and no
+    checkpoints a trained run's record is only there). A failure before the first epoch (out
+    of device memory while the training state is allocated, a Ctrl-C during compilation)
+    leaves nothing a retry would have to ``--resume``."""
     known = {"config.toml", "metrics.jsonl", "checkpoints", "tensorboard"}
     if not {p.name for p in out.iterdir()} <= known:
         return False

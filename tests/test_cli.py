@@ -444,9 +444,8 @@ def test_out_of_device_memory_is_one_line_and_leaves_no_run_behind(tmp_path, mon
         (out / "checkpoints").mkdir()
         (out / "tensorboard").mkdir()
         (out / "tensorboard" / "events.out.tfevents.0").write_bytes(b"header")
-        raise jax.errors.JaxRuntimeError(
-            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30064771072 bytes. "
-            "allocating 30064771072 bytes")
+        raise jax.errors.JaxRuntimeError(  # the GPU allocator's wording
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30064771072 bytes.")
 
     monkeypatch.setattr(job_lib, "run_job", fake_run_job)
     monkeypatch.setenv("JDQN_XLA_CACHE", "0")
@@ -456,6 +455,10 @@ def test_out_of_device_memory_is_one_line_and_leaves_no_run_behind(tmp_path, mon
     assert len(err) == 1 and err[0].startswith("jdqn: error: out of device memory (28.0 GiB")
     assert "train.replay_capacity" in err[0]
     assert not out.exists()
+    assert "(28.0 GiB" in cli_main._out_of_memory(RuntimeError(  # the CPU's wording
+        "RESOURCE_EXHAUSTED: Out of memory allocating 30064771072 bytes."))
+    assert cli_main._out_of_memory(RuntimeError(  # a kernel tile, not the device's memory
+        "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 262144")) is None
 
     def logged_run_job(cfg, out, resume=False):  # an epoch logged: the run is kept
         (out / "metrics.jsonl").write_text('{"epoch": 0}\n')
@@ -465,3 +468,20 @@ def test_out_of_device_memory_is_one_line_and_leaves_no_run_behind(tmp_path, mon
     with pytest.raises(RuntimeError, match="something else"):
         cli_main.main(["--config", "configs/quickstart.toml", "--output-dir", str(out)])
     assert (out / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
+
+    # no metrics.jsonl, no checkpoints: the epochs went to TensorBoard alone — still a run
+    from jdqn.config import LoggingConfig
+    from jdqn.train.logger import RunLogger
+
+    def tensorboard_only_run_job(cfg, out, resume=False):
+        log = RunLogger(out, LoggingConfig(progress=False, jsonl=False, tensorboard=True),
+                        total_epochs=2, quiet=True)
+        log.log_epoch({"fold": 0, "epoch": 0, "loss": {"total": 1.0}}, 1)
+        log.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_lib, "run_job", tensorboard_only_run_job)
+    kept = tmp_path / "tb_only"
+    assert cli_main.main(["--config", "configs/quickstart.toml", "--output-dir",
+                          str(kept)]) == 130
+    assert any((kept / "tensorboard").iterdir())

@@ -302,9 +302,11 @@ def test_the_retired_popart_name_points_to_zscore():
 @pytest.mark.parametrize("data,fragment", [
     ({"bar_size": "0min"}, "data.bar_size = '0min': time bars must be between 1s and 1d"),
     ({"bar_size": "1M"}, "data.bar_size = '1M': 'M' is ambiguous"),
-    ({"timezone": "Mars/Olympus"}, "data.timezone = 'Mars/Olympus' is not an IANA time zone")])
+    ({"timezone": "Mars/Olympus"}, "data.timezone = 'Mars/Olympus' is not a time zone"),
+    ({"timezone": "America"}, "data.timezone = 'America' is not a time zone")])
 def test_data_settings_are_checked_with_the_config_whatever_the_source(data, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         config_from_dict({"data": data})  # synthetic: they used to pass unread
-    config_from_dict({"data": {"bar_size": "5m", "timezone": "America/Chicago"}})
+    for tz in ("America/Chicago", "utc", "+01:00"):  # what the loaders accept
+        config_from_dict({"data": {"bar_size": "5m", "timezone": tz}})
 

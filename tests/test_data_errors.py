@@ -234,6 +234,8 @@ def test_unix_stamps_read_in_too_fine_a_unit_are_named(tmp_path: Path) -> None:
     assert "in.csv: every timestamp read as unix_ms falls within a year of 1970-01-01" in msg
     assert "'unix_s'" in msg
     assert len(load_bars(_ticks(tmp_path, text, timestamp_format="unix_s"))) == 3
+    early = "timestamp,price,size\n3600,10,1\n3600.5,11,1\n3601.2,12,1\n"  # 1970, in seconds
+    assert len(load_bars(_ticks(tmp_path, early, timestamp_format="unix_s"))) == 3  # no coarser
 
 
 def test_a_bar_months_after_the_one_before_draws_a_warning_naming_it(tmp_path: Path) -> None:

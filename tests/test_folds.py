@@ -84,7 +84,8 @@ def test_a_momentum_lookback_reaching_before_the_data_is_refused(monkeypatch):
     from jdqn.train.folds import check_momentum_lookback
 
     plan = plan_folds(3000, 50, TrainConfig(n_folds=2))
-    first = plan.folds[0].val[0]
+    first = plan.test[0]  # the baselines run on the test window
+    assert first > plan.folds[0].val[0]
     check_momentum_lookback(plan, first, 1)
     check_momentum_lookback(plan, first // 4, 4)
     with pytest.raises(ConfigError, match=rf"eval.momentum_lookback = {first + 1} .* use ≤ "
@@ -153,6 +154,7 @@ def test_epochs_before_the_first_update_use_no_patience(tmp_path):
     assert report["folds"][0]["epochs"] >= 3  # it trained
 
 
+@pytest.mark.slow
 def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
     """One fold, patience 1: the fold ends at the first epoch whose validation Sharpe does not
     beat the best so far (or after the last epoch). The parameters carried to the test window

@@ -304,7 +304,7 @@ def _check_book(lv: np.ndarray, path: Path) -> None:
                       "as in pre-open auctions", stacklevel=3)
 
 
-def _sorted_by(rec: np.ndarray, key: str, path: Path) -> np.ndarray:
+def _sorted_by(rec: np.ndarray, key: str, path: Path, of: str = "") -> np.ndarray:
     """The records in ``key`` order (stable), with a warning naming the first record stamped
     before its predecessor: a DBN file is written in time order, so one out of it is a damaged
     or hand-edited stamp that the sort moves (a year-late trade becomes a bar a year later)."""
@@ -313,8 +313,9 @@ def _sorted_by(rec: np.ndarray, key: str, path: Path) -> np.ndarray:
     if back.shape[0]:
         i = int(back[0]) + 1
         warnings.warn(f"{path}: {back.shape[0]} record(s) stamped before the record they follow "
-                      f"(first: record {i + 1}, field '{key}' {int(ts[i])} < {int(ts[i - 1])} "
-                      f"of record {i}); sorted by time — check the file if it came from a feed "
+                      f"(first: record {i + 1}{of}, field '{key}' {int(ts[i])} < "
+                      f"{int(ts[i - 1])} of record {i}); sorted by time — check the file if it "
+                      "came from a feed "
                       "that writes in order", stacklevel=3)
         return rec[np.argsort(ts, kind="stable")]
     return rec
@@ -333,12 +334,14 @@ def load_dbn(path: Path, cfg: DataConfig) -> Bars:
         raise DataError(f"{path}: record {i + 1}, field '{key}': timestamp {rec[key][i]} is "
                         "undefined or out of range (after 2200-01-01)")
     rec = _one_instrument(rec, cfg, path)
+    # record numbers count the chosen instrument's records when the file holds several
+    of = f" of instrument {cfg.instrument_id}" if cfg.instrument_id else ""
     src = str(path)
     if schema.startswith("ohlcv"):
         if cfg.bar_type != "time":
             raise DataError(f"{path}: data.bar_type = {cfg.bar_type!r} needs trades or MBP-10; "
                             f"{schema} is already time bars")
-        rec = _sorted_by(rec, "ts_event", path)
+        rec = _sorted_by(rec, "ts_event", path, of)
         secs = _OHLCV_SECONDS[int(rec["rtype"][0])]
         ts = rec["ts_event"].astype(np.int64) + secs * NS
         if (np.diff(ts) == 0).any():
@@ -359,7 +362,7 @@ def load_dbn(path: Path, cfg: DataConfig) -> Bars:
                     source=src).check()
     if schema == "mbp-10":
         _check_book(rec["levels"], path)
-    rec = _sorted_by(rec, "ts_recv", path)
+    rec = _sorted_by(rec, "ts_recv", path, of)
     bar_ns = parse_bar_size(cfg.bar_size) if cfg.bar_type == "time" else 0
     trades = rec[rec["action"] == b"T"] if schema == "mbp-10" else rec
     if trades.shape[0] == 0:

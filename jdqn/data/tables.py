@@ -296,8 +296,8 @@ def parse_timestamps(t: _Table, name: str, fmt: str, tz: str) -> np.ndarray:
             i = int(np.flatnonzero(out_of_range)[0])
             raise DataError(f"{t.where(i, name)}: timestamp {v[i]:g} is out of range for "
                             f"{fmt} (years 1900–2200)")
-        if v.shape[0] and (np.abs(v * _UNIX[fmt]) < _YEAR_NS).all():
-            coarser = [u for u, n in _UNIX.items() if n > _UNIX[fmt]]
+        coarser = [u for u, n in _UNIX.items() if n > _UNIX[fmt]]
+        if coarser and v.shape[0] and (np.abs(v * _UNIX[fmt]) < _YEAR_NS).all():
             raise DataError(f"{t.path}: every timestamp read as {fmt} falls within a year of "
                             f"1970-01-01 (first: {v[0]:g}), so they were written in a coarser "
                             f"unit; set data.timestamp_format to "

@@ -79,8 +79,8 @@ class BacktestResult:
     spread_cost: np.ndarray  # f64 [n] $ (half-spread + slippage of market orders)
     holding_cost: np.ndarray  # f64 [n] $
     position: np.ndarray  # f64 [n]: contracts held at the bar's close
-    intended_position: np.ndarray  # f64 [n]: unsized target of the live order
-    target_position: np.ndarray  # f64 [n]: sized target of the live order
+    intended_position: np.ndarray  # f64 [n]: unsized target of the latest order
+    target_position: np.ndarray  # f64 [n]: sized target of the live order, else the position
     fill_qty: np.ndarray  # f64 [n]: contracts bought (+) / sold (−) during the bar
     fill_price: np.ndarray  # f64 [n]: execution price incl. half-spread and slippage
     filled: np.ndarray  # bool [n]

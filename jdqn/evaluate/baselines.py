@@ -10,7 +10,7 @@ Sharpe, not by return:
 * ``buy_and_hold``: goes long at the first decision, holds to the end;
 * ``momentum``: the sign of ``close[t] − close[t − L]`` (``L = momentum_lookback`` evaluation
   bars), long / short, hold when 0; a run refuses an ``L`` that reaches before the data from
-  its first evaluated decision (``folds.check_momentum_lookback``: the past close would be
+  the test window's first decision (``folds.check_momentum_lookback``: the past close would be
   clamped to bar 0);
 * ``random``: uniform over all 108 joint actions, seeded from ``EvalConfig.random_seed``.
 """

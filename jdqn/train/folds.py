@@ -111,13 +111,13 @@ def check_eval_windows(plan: FoldPlan, n_windows: int, stride: int) -> None:
 
 
 def check_momentum_lookback(plan: FoldPlan, lookback: int, stride: int) -> None:
-    """Refuse an ``eval.momentum_lookback`` that reaches before the first bar from the first
-    evaluated decision (fold 0's validation window): the baseline's past close is clamped to
-    bar 0 there, so it compared against the series' start — buy-and-hold in an up market —
-    without a word."""
-    first = plan.folds[0].val[0]
+    """Refuse an ``eval.momentum_lookback`` that reaches before the first bar from the test
+    window's first decision (the baselines run on the test window): the baseline's past close
+    would be clamped to bar 0, so it compared against the series' start — buy-and-hold in an up
+    market — without a word."""
+    first = plan.test[0]
     if lookback * stride > first:
         raise ConfigError(
             f"eval.momentum_lookback = {lookback} (× eval.stride = {stride} bars) reaches "
-            f"before the first bar from fold 0's first validation decision (bar {first}); "
+            f"before the first bar from the test window's first decision (bar {first}); "
             f"use ≤ {first // stride}, or more data")

@@ -69,6 +69,11 @@ def truncate_jsonl(path: Path, last_epoch: int) -> None:
     tmp.replace(path)
 
 
+# Epochs logged by this process, whatever the sinks (the CLI tells a run that got as far as an
+# epoch from one that failed before: jdqn.main._discard_if_unstarted)
+EPOCHS_LOGGED = [0]
+
+
 class RunLogger:
     """Writes one record per epoch to every enabled sink."""
 
@@ -104,6 +109,7 @@ class RunLogger:
         self.quiet = quiet
 
     def log_epoch(self, record: dict[str, Any], global_epoch: int) -> None:
+        EPOCHS_LOGGED[0] += 1
         record = _json_safe({**record, "global_epoch": global_epoch})
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
