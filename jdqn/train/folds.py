@@ -68,13 +68,19 @@ def plan_folds(n_bars: int, warmup: int, cfg: TrainConfig) -> FoldPlan:
     return FoldPlan(tuple(folds), test)
 
 
+def _evaluated_windows(plan: FoldPlan) -> list[tuple[str, tuple[int, int]]]:
+    """Every window a backtest evaluates, named for messages: the folds' validation windows
+    and the test window."""
+    return [(f"fold {f.index}'s validation window", f.val) for f in plan.folds] + [
+        ("the test window", plan.test)]
+
+
 def check_eval_stride(plan: FoldPlan, stride: int) -> None:
     """Refuse an ``eval.stride`` that leaves a validation or the test window fewer evaluation
     periods than a stride-1 backtest of the shortest allowed window has (``MIN_WINDOW − 1``
     returns), before anything trains: the backtest would otherwise fail at the first
     validation, or score a fold on a handful of returns."""
-    windows = [(f"fold {f.index}'s validation window", f.val) for f in plan.folds]
-    windows.append(("the test window", plan.test))
+    windows = _evaluated_windows(plan)
     need = MIN_WINDOW - 1
     for name, (lo, hi) in windows:
         periods = (hi - 1 - lo) // stride
@@ -95,8 +101,7 @@ def check_eval_windows(plan: FoldPlan, n_windows: int, stride: int) -> None:
 
     if n_windows <= 1:
         return
-    windows = [(f"fold {f.index}'s validation window", f.val) for f in plan.folds]
-    windows.append(("the test window", plan.test))
+    windows = _evaluated_windows(plan)
     for name, (lo, hi) in windows:
         periods = (hi - 1 - lo) // stride
         steps = -(-periods // min(n_windows, max(periods, 1)))
