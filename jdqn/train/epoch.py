@@ -434,7 +434,7 @@ def make_epoch_fn(learner: Learner):
             "update": jax.tree.map(
                 lambda x: jnp.where(n_up > 0, jnp.sum(x, axis=0) / jnp.maximum(n_up, 1.0),
                                     jnp.nan), m["update"]),
-            "n_updates": jnp.sum(m["n_updates"]),
+            "n_updates": n_up,
             "replay_size": state.replay.size,
             "q_abs_ema": state.q_abs_ema,  # (the same on every device: q_abs_mean is global)
         }

@@ -473,13 +473,13 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
             val = distributed.broadcast_json(val)
             last_val = val
             improved = []
-            updated = np.asarray(metrics["n_updates"]).reshape(-1) > 0
+            updated = np.broadcast_to(np.asarray(metrics["n_updates"]) > 0, (n_seeds,))
             for s in range(n_seeds):
                 if not active[s]:
                     improved.append(False)
                     continue
                 progress["epochs_trained"][s] += 1
-                if not updated[s % updated.shape[0]]:
+                if not updated[s]:
                     # the replay not yet at min_replay: no update, the params did not move,
                     # so this epoch neither improves nor uses up patience (an untrained
                     # network could otherwise end the fold and go on as its best)
