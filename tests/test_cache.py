@@ -56,6 +56,40 @@ def test_changing_a_setting_rebuilds(tmp_path: Path) -> None:
         cfg.env, n_envs=3)))[2] is True
 
 
+def test_a_cache_written_by_other_loader_code_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
+    """A loader fix (a file now refused, rows now ordered otherwise) is not bypassed by a cache
+    the old code wrote: the key carries a digest of jdqn/data's sources and the parsing
+    libraries' versions, so another code version's entry is stale and overwritten."""
+    cfg = _cfg(tmp_path)
+    monkeypatch.setattr(cache, "_package_digest", lambda: "the old loader")
+    assert load_or_build(cfg)[2] is False
+    assert load_or_build(cfg)[2] is True
+    monkeypatch.undo()
+    assert load_or_build(cfg)[2] is False  # the current code's key: rebuilt, not served
+    assert load_or_build(cfg)[2] is True
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1  # the old entry overwritten
+
+
+def test_the_code_digest_follows_every_source_file_and_the_parsers(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    src = Path(cache.__file__).parent
+    copy = tmp_path / "data"
+    copy.mkdir()
+    for f in src.glob("*.py"):
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert cache.code_digest(copy) == cache.code_digest() == cache.code_digest(src)
+    tables = copy / "tables.py"
+    tables.write_bytes(tables.read_bytes() + b"\n")  # one byte in one loader file
+    changed = cache.code_digest(copy)
+    assert changed != cache.code_digest()
+    (copy / "extra.py").write_text("")  # a new module
+    assert cache.code_digest(copy) not in (changed, cache.code_digest())
+    real = cache.importlib.metadata.version
+    monkeypatch.setattr(cache.importlib.metadata, "version",
+                        lambda lib: "0.0" if lib == "pandas" else real(lib))
+    assert cache.code_digest(src) != cache.code_digest()  # another pandas
+
+
 def test_a_changed_input_file_is_stale_and_rebuilt(tmp_path: Path) -> None:
     raw = tk.random_ticks(np.random.default_rng(0), 4000, 600.0)
     path = tk.write_ticks_csv(raw, tmp_path / "t.csv")

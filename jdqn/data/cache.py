@@ -8,6 +8,9 @@ whole content; or the synthetic config). So:
 * same input and settings → hit (arrays identical to a fresh build);
 * the input file changed, or a setting that affects bars/features changed → stale → rebuilt and
   overwritten (a changed setting simply maps to another file);
+* another version of the code that builds them (``jdqn/data``'s sources, or numpy, pandas,
+  pyarrow or databento-dbn upgraded) → stale → rebuilt: a loader fix — such as a file it now
+  refuses, or rows it now orders differently — is never bypassed by a cache the old code wrote;
 * a file written by another ``SCHEMA_VERSION`` → refused with :class:`CacheError` naming the file
   and both versions (delete it, or point ``data.cache_dir`` elsewhere); a file that cannot be
   read at all is rebuilt with a warning.
@@ -18,7 +21,9 @@ Writes are atomic (temporary file in the same folder + ``os.replace``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -61,6 +66,33 @@ def input_identity(cfg: DataConfig) -> dict[str, Any]:
     return {"path": str(path), "size": st.st_size, "sha256": digest}
 
 
+_LIBRARIES = ("numpy", "pandas", "pyarrow", "databento-dbn")
+
+
+def code_digest(folder: Path | None = None) -> str:
+    """What identifies the code that turns an input into bars and features: a SHA-256 of every
+    ``.py`` file in ``folder`` (default: this package, ``jdqn/data``), by name and content, and
+    the versions of the libraries that parse and compute them. Part of the cache key, so a
+    cache written by another version of the loader is rebuilt, not served."""
+    if folder is None:
+        return _package_digest()
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for lib in _LIBRARIES:
+        try:
+            version = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        h.update(f"{lib}={version}\0".encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def _package_digest() -> str:
+    return code_digest(Path(__file__).parent)
+
+
 def _settings(data: DataConfig, features: FeaturesConfig) -> dict[str, Any]:
     """Data settings that change the bars (not the cache folder) and all feature settings."""
     d = to_dict(data)
@@ -78,7 +110,7 @@ def cache_path(data: DataConfig, features: FeaturesConfig) -> Path:
 
 
 def cache_key(data: DataConfig, features: FeaturesConfig) -> str:
-    return _sha({"schema": SCHEMA_VERSION, "input": input_identity(data),
+    return _sha({"schema": SCHEMA_VERSION, "code": code_digest(), "input": input_identity(data),
                  **_settings(data, features)})
 
 
