@@ -88,6 +88,27 @@ def test_non_finite_values_are_written_as_null(tmp_path, value):
     assert logger_lib._json_safe([value]) == [None]
 
 
+def test_validation_means_leave_out_a_seed_without_a_sharpe():
+    """A seed that held no position in validation has no Sharpe (NaN): the epoch's mean
+    validation Sharpe, which metrics.jsonl logs and the checkpoints' best-N ranks by, is the
+    other seeds' mean, not NaN (NaN ranked every checkpoint lowest); NaN only when no seed has
+    one. Each seed's own value stays beside it."""
+    import math
+
+    from jdqn.train.job import val_summary
+
+    val = [{"sharpe": 1.5, "total_return": 0.02, "n_trades": 10.0},
+           {"sharpe": float("nan"), "total_return": 0.0, "n_trades": 0.0},
+           {"sharpe": 0.5, "total_return": 0.01, "n_trades": 6.0}]
+    out = val_summary(val, (4, 5, 6))
+    assert out["sharpe"] == 1.0
+    assert out["total_return"] == pytest.approx(0.01) and out["n_trades"] == pytest.approx(16 / 3)
+    assert out["sharpe_per_seed"]["4"] == 1.5 and math.isnan(out["sharpe_per_seed"]["5"])
+    flat = [dict(v, sharpe=float("nan")) for v in val]
+    assert math.isnan(val_summary(flat, (4, 5, 6))["sharpe"])
+    assert logger_lib._json_safe(val_summary(flat, (4, 5, 6)))["sharpe"] is None
+
+
 def test_a_real_epoch_record_carries_every_documented_diagnostic(tmp_path):
     """One epoch of a tiny job: the metrics.jsonl record has every diagnostic docs/training.md
     lists, per branch where it says per branch, with values that are finite and consistent."""

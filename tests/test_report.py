@@ -100,6 +100,42 @@ def test_seed_summary_aggregates_per_seed_test_metrics(tmp_path, backtests):
         write_seed_summary(top, [7], [r0])
 
 
+def test_seed_summary_counts_the_seeds_behind_each_statistic(tmp_path, backtests):
+    """A seed whose Sharpe is undefined (it never held a position: the flat policy) is left out
+    of the Sharpe column's statistics; summary.md shows n, min and max beside mean and std, as
+    seeds.json does, and says that seeds were left out."""
+    from jdqn.evaluate import write_seed_summary
+
+    ts, strategy, baselines = backtests
+    reports = [write_report(tmp_path / name, ts, result, baselines, [], 98_280.0)
+               for name, result in (("a", strategy), ("b", baselines["random"]),
+                                    ("c", baselines["flat"]))]
+    assert reports[2]["test"]["sharpe"] is None
+    summary = write_seed_summary(tmp_path / "a", [1, 2, 3], reports)
+    agg = summary["aggregate"]["sharpe"]
+    assert agg["n"] == 2
+    assert agg["mean"] == pytest.approx(np.mean([r["test"]["sharpe"] for r in reports[:2]]))
+    text = (tmp_path / "a" / "summary.md").read_text().split("## Across seeds")[1]
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert {"mean", "std", "min", "max", "n"} <= rows.keys()
+    col = rows["seed"].split("|").index(" sharpe ")
+    assert rows["n"].split("|")[col].strip() == "2"
+    assert rows["3"].split("|")[col].strip() == "–"
+    assert "leave out the seeds where its metric is undefined" in text
+
+
+def test_walk_forward_table_takes_columns_from_any_fold(tmp_path, backtests):
+    """Fold 0 without validation metrics (its seed never reached min_replay) does not empty the
+    walk-forward table: fold 1's figures are shown."""
+    ts, strategy, baselines = backtests
+    folds = [{"fold": 0, "epochs": 1},
+             {"fold": 1, "epochs": 2, "sharpe": 2.5, "total_return": 0.01, "max_drawdown": 0.02}]
+    write_report(tmp_path, ts, strategy, baselines, folds, 98_280.0)
+    text = (tmp_path / "summary.md").read_text().split("## Walk-forward validation")[1]
+    assert "| fold | sharpe | total_return | max_drawdown |" in text
+    assert "| 1 | 2.5 | 0.01 | 0.02 |" in text and "| 0 | – | – | – |" in text
+
+
 def test_without_timestamps_the_report_is_indexed_by_bar_number(tmp_path, backtests):
     """``write_report(…, timestamps=None, …)``: the files are indexed by the bars' numbers in
     the original series (``strategy.bar``: here 51…299), not by row numbers 0…n−1."""

@@ -173,9 +173,16 @@ def write_seed_summary(out_dir: str | Path, seeds: list[int] | tuple[int, ...],
     summary = _clean({"seeds": [int(x) for x in seeds], "test": per_seed,
                       "aggregate": aggregate, "baselines": reports[0]["baselines"]})
     (out / "seeds.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
-    stats = {stat: {k: aggregate[k][stat] for k in SUMMARY_KEYS} for stat in ("mean", "std")}
+    # the same statistics as seeds.json, with n: a seed whose metric is undefined (a Sharpe
+    # for a seed that never held a position, a Sortino without a losing bar) is left out of
+    # its column's statistics, and n says over how many seeds each one is
+    stats = {stat: {k: aggregate[k][stat] for k in SUMMARY_KEYS}
+             for stat in ("mean", "std", "min", "max", "n")}
     lines = ["", "## Across seeds (test window)", "",
              *_table("seed", SUMMARY_KEYS, {**per_seed, **stats})]
+    if any(aggregate[k]["n"] < len(seeds) for k in SUMMARY_KEYS):
+        lines += ["", (f"Over {len(seeds)} seeds; a column's statistics leave out the seeds "
+                       "where its metric is undefined (–), row n counts the seeds kept.")]
     lines += ["", "Per-seed reports: `seeds/seed_<s>/`; all seeds: `seeds.json`.", ""]
     with (out / "summary.md").open("a") as f:
         f.write("\n".join(lines))
@@ -215,7 +222,10 @@ def _summary(path: Path, report: dict[str, Any]) -> None:
                  "drawdowns scale with the size held, Sharpe only with how the size varies "
                  "over time; compare policies by Sharpe.")
     if report["folds"]:
-        keys = [k for k in ("sharpe", "total_return", "max_drawdown") if k in report["folds"][0]]
+        # the columns any fold has: a fold whose seed never updated (replay below
+        # min_replay) has no validation metrics, and the first fold may be that one
+        keys = [k for k in ("sharpe", "total_return", "max_drawdown")
+                if any(k in fold for fold in report["folds"])]
         lines += ["", "## Walk-forward validation", "",
                   ("Each fold's best epoch by validation Sharpe, the one early stopping kept: "
                    "chosen on these very windows, so biased upwards; the test window above is "

@@ -514,7 +514,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                 logger.log_epoch(record, progress["global_epoch"])
             if ckpt is not None:
                 ckpt.save(progress["global_epoch"], state,
-                          metrics={"val_sharpe": float(np.mean([v["sharpe"] for v in val])),
+                          metrics={"val_sharpe": val_summary(val, tc.seeds)["sharpe"],
                                    "fold": f},
                           extra_json=progress)
             if progress["fold_done"]:
@@ -540,6 +540,16 @@ def _mean(x: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN: the mean is NaN
         return float(np.nanmean(a)) if a.ndim <= 1 else np.nanmean(a, axis=0).tolist()
+
+
+def val_summary(val: list[dict[str, Any]], seeds: tuple[int, ...]) -> dict[str, Any]:
+    """An epoch's validation over the seeds: means over the seeds with a defined value (a seed
+    that held no position has no Sharpe, NaN), so one flat seed does not make the mean, or the
+    checkpoints' best-N ranking by it (``val_sharpe``), NaN; each seed's Sharpe beside them."""
+    return {"sharpe": _mean([v["sharpe"] for v in val]),
+            "total_return": _mean([v["total_return"] for v in val]),
+            "sharpe_per_seed": {str(s): float(v["sharpe"]) for s, v in zip(seeds, val)},
+            "n_trades": _mean([v["n_trades"] for v in val])}
 
 
 def _epoch_record(fold: int, epoch: int, m: dict[str, Any], val: list[dict[str, Any]],
@@ -574,8 +584,5 @@ def _epoch_record(fold: int, epoch: int, m: dict[str, Any], val: list[dict[str, 
         "optim": {"grad_norm": _mean(u["grad_norm"]), "per_beta": _mean(u["per_beta"]),
                   "blend_alpha": _mean(u["blend_alpha"]), "updates": _mean(m["n_updates"])},
         "replay_size": _mean(m["replay_size"]),
-        "val": {"sharpe": float(np.mean([v["sharpe"] for v in val])),
-                "total_return": float(np.mean([v["total_return"] for v in val])),
-                "sharpe_per_seed": {str(s): float(v["sharpe"]) for s, v in zip(seeds, val)},
-                "n_trades": float(np.mean([v["n_trades"] for v in val]))},
+        "val": val_summary(val, seeds),
     }
