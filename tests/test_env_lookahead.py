@@ -7,6 +7,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import random_bars
 
 from jdqn import env as E
@@ -56,8 +57,9 @@ def trajectory(arrays):
         action, aux = obs_policy(obs)
         t_seq.append(np.asarray(state.t))
         obs_seq.append(np.asarray(obs))
-        state, _, _, info = E.step(params, state, action, aux)
-        info_seq.append({k: np.asarray(v) for k, v in info.items()})
+        state, reward, done, info = E.step(params, state, action, aux)
+        info_seq.append({**{k: np.asarray(v) for k, v in info.items()},
+                         "reward": np.asarray(reward), "done": np.asarray(done)})
     return np.array(t_seq), np.array(obs_seq), info_seq
 
 
@@ -69,11 +71,12 @@ def test_perturbing_bars_after_t_changes_nothing_observed_at_or_before_t():
     np.testing.assert_array_equal(obs_a[seen], obs_b[seen])
     for s in range(len(info_a)):
         decided_by_cut = t_a[s] <= CUT  # the decision (incl. its size) is made at bar t ≤ CUT
-        for k in ("size_scale", "target_position", "intended_position"):
+        for k in ("size_scale", "target_position", "intended_position", "done"):
             np.testing.assert_array_equal(info_a[s][k][decided_by_cut],
-                                          info_b[s][k][decided_by_cut])
+                                          info_b[s][k][decided_by_cut], err_msg=k)
         filled_by_cut = info_a[s]["bar"] <= CUT  # executions within bars ≤ CUT
-        for k in ("position", "net_pnl", "fill_price", "intended_position"):
+        # the reward too: a leak confined to reward shaping would reach the learner
+        for k in ("position", "net_pnl", "fill_price", "intended_position", "reward"):
             np.testing.assert_array_equal(info_a[s][k][filled_by_cut], info_b[s][k][filled_by_cut])
     # …and the perturbation is real: something after CUT does change.
     assert not np.array_equal(obs_a[~seen], obs_b[~seen])
@@ -135,14 +138,20 @@ def test_cvar_risk_input_is_causal():
     assert not np.array_equal(a[CUT + 1:], b[CUT + 1:])
 
 
-def test_backtest_actions_and_returns_up_to_t_ignore_later_bars():
+@pytest.mark.parametrize("stride,n_windows", [(1, 1), (3, 1), (1, 4), (2, 2)])
+def test_backtest_actions_and_returns_up_to_t_ignore_later_bars(stride, n_windows):
+    """Also strided (decisions every k bars on k-bar returns: its own code path, which
+    aggregates bars) and split into parallel windows (each window's first decision at its
+    start, run side by side): nothing up to the cut reads a later bar."""
     pa = E.make_params(*bars(), CFG, state_width=W)
     pb = E.make_params(*perturbed_after(CUT), CFG, state_width=W)
-    ra = rollout(pa, obs_policy, lo=10, hi=T)
-    rb = rollout(pb, obs_policy, lo=10, hi=T)
+    ra = rollout(pa, obs_policy, lo=10, hi=T, stride=stride, n_windows=n_windows)
+    rb = rollout(pb, obs_policy, lo=10, hi=T, stride=stride, n_windows=n_windows)
     upto = ra.bar <= CUT
-    np.testing.assert_array_equal(ra.actions[upto], rb.actions[upto])
-    np.testing.assert_array_equal(ra.returns[upto], rb.returns[upto])
+    assert upto.sum() >= 5 and (~upto).sum() >= 5
+    np.testing.assert_array_equal(ra.bar, rb.bar)
+    for k in ("actions", "returns", "position", "size_scale", "target_position"):
+        np.testing.assert_array_equal(getattr(ra, k)[upto], getattr(rb, k)[upto], err_msg=k)
     assert not np.array_equal(ra.returns[~upto], rb.returns[~upto])
 
 
