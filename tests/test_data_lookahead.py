@@ -75,6 +75,10 @@ KINDS = {
         columns=ColumnMap(side="side"), bar_size="1s")),
     "ohlcv_csv": (lambda rng: tk.random_ohlcv(rng, 300), lambda raw, d: DataConfig(
         source="ohlcv", path=str(tk.write_ohlcv_csv(raw, d / "o.csv")), bar_size="1min")),
+    # with aggressor volumes: the order-flow features are live (without them they are zeros)
+    "ohlcv_csv_flow": (lambda rng: tk.random_ohlcv(rng, 300, flow=True), lambda raw, d: DataConfig(
+        source="ohlcv", path=str(tk.write_ohlcv_csv(raw, d / "o.csv")), bar_size="1min",
+        columns=ColumnMap(buy_volume="buy_volume", sell_volume="sell_volume"))),
     "dbn_mbp10": (lambda rng: tk.random_mbp10(rng, 3000, 200.0), lambda raw, d: DataConfig(
         source="dbn", path=str(tk.write_dbn(d / "m.dbn", "mbp-10", raw)), bar_size="1s")),
     "dbn_mbp10_zstd": (lambda rng: tk.random_mbp10(rng, 3000, 200.0), lambda raw, d: DataConfig(
@@ -104,6 +108,8 @@ def test_features_at_t_ignore_all_raw_data_after_t(kind: str, tmp_path: Path) ->
     b0 = load_bars(write(raw, tmp_path / "a"))
     f0 = build_features(b0, SMALL)
     _check_families(f0.names, book=kind.startswith("dbn_mbp10"))
+    if kind == "ohlcv_csv_flow":
+        assert np.any(f0.values[f0.warmup:, list(f0.flow_idx)] != 0), "order flow is all zero"
     assert len(b0) > 60, len(b0)
     for i, t in enumerate((f0.warmup + 3, len(b0) // 2, len(b0) - 3)):
         d = tmp_path / f"p{i}"

@@ -76,6 +76,9 @@ def perturb_after(raw: dict[str, np.ndarray], cutoff: int, rng: np.random.Genera
     if "bid_px" in out:  # book: move the whole ladder
         for k in ("bid_px", "ask_px"):
             out[k][fut] = out[k][fut] + (shift * 1e9).astype(np.int64)[:, None]
+    if "buy_volume" in out and "volume" in out:  # OHLCV aggressor volumes: parts of the new volume
+        out["buy_volume"][fut] = np.floor(out["volume"][fut] * rng.uniform(0, 1, m))
+        out["sell_volume"][fut] = out["volume"][fut] - out["buy_volume"][fut]
     return out
 
 
@@ -107,8 +110,9 @@ def write_ticks_parquet(raw: dict[str, np.ndarray], path: Path) -> Path:
 
 
 def random_ohlcv(rng: np.random.Generator, n: int, bar_s: int = 60,
-                 t0: int = T0) -> dict[str, np.ndarray]:
-    """n OHLCV bars with gaps (about 10% of grid slots missing); ``ts`` = bar close."""
+                 t0: int = T0, flow: bool = False) -> dict[str, np.ndarray]:
+    """n OHLCV bars with gaps (about 10% of grid slots missing); ``ts`` = bar close. ``flow``:
+    with aggressor ``buy_volume`` and ``sell_volume`` columns, parts of each bar's volume."""
     slots = np.flatnonzero(rng.random(int(n * 1.2) + 10) < 0.9)[:n] + 1
     ts = t0 + slots.astype(np.int64) * bar_s * NS
     close = 4000.0 + TICK * np.cumsum(rng.integers(-4, 5, n))
@@ -116,13 +120,18 @@ def random_ohlcv(rng: np.random.Generator, n: int, bar_s: int = 60,
     high = np.maximum(open_, close) + TICK * rng.integers(0, 4, n)
     low = np.minimum(open_, close) - TICK * rng.integers(0, 4, n)
     vol = rng.integers(1, 500, n).astype(np.float64)
-    return {"ts": ts, "open": open_, "high": high, "low": low, "close": close, "volume": vol}
+    out = {"ts": ts, "open": open_, "high": high, "low": low, "close": close, "volume": vol}
+    if flow:
+        out["buy_volume"] = np.floor(vol * rng.uniform(0, 1, n))
+        out["sell_volume"] = np.floor((vol - out["buy_volume"]) * rng.uniform(0, 1, n))
+    return out
 
 
 def write_ohlcv_csv(raw: dict[str, np.ndarray], path: Path) -> Path:
     df = pd.DataFrame({"timestamp": _iso(raw["ts"])})
-    for k in ("open", "high", "low", "close", "volume"):
-        df[k] = raw[k]
+    for k in ("open", "high", "low", "close", "volume", "buy_volume", "sell_volume"):
+        if k in raw:
+            df[k] = raw[k]
     df.to_csv(path, index=False)
     return path
 
