@@ -514,7 +514,7 @@ def _walk_forward(cfg: Config, p: Prepared, epoch_fn, keys, state, progress, ckp
                 logger.log_epoch(record, progress["global_epoch"])
             if ckpt is not None:
                 ckpt.save(progress["global_epoch"], state,
-                          metrics={"val_sharpe": val_summary(val, tc.seeds)["sharpe"],
+                          metrics={"val_sharpe": record["val"]["sharpe"],
                                    "fold": f},
                           extra_json=progress)
             if progress["fold_done"]:
