@@ -119,7 +119,17 @@ def make_args(m: int, h: int, pair: int, dtype: str):
     return b_fc, x, w_fc, w, b, scale, offset
 
 
-def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool) -> dict:
+def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw):
+    """The Mosaic GPU kernel in the timing loop's argument order; it takes the pair itself."""
+    import fused_grn_mgpu
+    args = (x, w_fc, b_fc, *rest)
+    if pair:
+        return fused_grn_mgpu.fused(*args, **kw)
+    return fused_grn_mgpu.fused_one(*args, **kw)
+
+
+def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool,
+        mgpu_tiles=()) -> dict:
     args = make_args(m, h, pair, dtype)
 
     def bias_first(fn):
@@ -127,13 +137,19 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         return jax.vmap(f) if pair else f
 
     fns = {"xla": bias_first(functools.partial(xla_path, interpret=interpret))}
+    for tm, c2, stages, eta_in in mgpu_tiles if dtype == "bfloat16" else ():
+        kw = {"eps": grn_tail.EPSILON, "tm": tm, "c2": c2, "stages": stages,
+              "eta_in": eta_in, "interpret": interpret}
+        fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
+        fns[f"mgpu_tm{tm}_c{c2}_s{stages}_{eta_in}"] = fn
     for rows, warps, chunk, stages in tiles:
         fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
             fused, rows=rows, warps=warps, chunk=chunk, stages=stages, interpret=interpret))
     ref = np.asarray(jax.jit(fns["xla"])(*args).astype(jnp.float32))
     results = {}
     for name, fn in fns.items():
-        if name.startswith("fused") and jax.default_backend() != "gpu" and not interpret:
+        if name.startswith(("fused", "mgpu")) and jax.default_backend() != "gpu" \
+                and not interpret:
             results[name] = {"skipped": "needs a GPU (or --interpret)"}
             continue
         try:
@@ -145,7 +161,7 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
             if not interpret:
                 results[name]["us"] = round(1e6 * seconds_per_call(fn, args, reps), 1)
         except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
-            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         print(name, results[name], file=sys.stderr, flush=True)
     return {"bench": "fused_grn", "rows": m, "width": h, "pair": pair, "dtype": dtype,
             "interpret": interpret, "reps": reps, "results": results}
@@ -160,12 +176,17 @@ def main() -> None:
     ap.add_argument("--tiles", default="64/4/64/3,64/8/64/3,128/8/64/3,32/4/64/3,64/4/32/3,"
                                        "64/8/128/2,128/4/64/2",
                     help="rows/warps/chunk/stages, comma-separated")
+    ap.add_argument("--mgpu-tiles", default="",
+                    help="the Mosaic GPU kernel (bf16; bench/fused_grn_mgpu.py): "
+                         "tm/c2/stages/eta_in (regs|smem), comma-separated")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",")]
-    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret), a.out)
+    tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
+    mgpu = [(*(int(v) for v in t.split("/")[:3]), t.split("/")[3])
+            for t in a.mgpu_tiles.split(",") if t]
+    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu), a.out)
 
 
 if __name__ == "__main__":

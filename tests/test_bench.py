@@ -561,3 +561,56 @@ def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
                  "--width", "32", "--tiles", "16/4/16/2", "--interpret")
     assert out["interpret"] and set(out["results"]) == {"xla", "fused_r16_w4_c16_s2"}
     assert out["results"]["fused_r16_w4_c16_s2"]["max_abs_diff"] < 0.05
+
+
+def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
+    """bench/fused_grn_mgpu.py's wgmma kernel (JAX's GPU interpreter) computes what GRNBlock
+    computes in bf16, for two parameter sets at once and for several row tiles and column
+    chunks; the bench runs it beside XLA's path."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jdqn.networks.trunk import GRNBlock
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("fused_grn_mgpu",
+                                                  REPO / "bench" / "fused_grn_mgpu.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    h, m = 128, 128
+    x = jax.random.normal(jax.random.key(1), (m, h))
+    block = GRNBlock(width=h, matmul_dtype="bfloat16", impl="xla", grad_free=True)
+    sets, want = [], []
+    for seed in (0, 3):  # two parameter sets: the kernel's leading axis must pick the right one
+        params = block.init(jax.random.key(seed), x)["params"]
+        noise = jax.random.key(seed + 2)
+        params = jax.tree.map(lambda p, k=noise: p + 0.1 * jax.random.normal(k, p.shape),
+                              params)
+        want.append(np.asarray(block.apply({"params": params}, x).astype(jnp.float32)))
+        w = params["fc"]["kernel"] @ params["glu"]["kernel"]
+        b = params["fc"]["bias"] @ params["glu"]["kernel"] + params["glu"]["bias"]
+        sets.append((x.astype(jnp.bfloat16), params["fc_elu"]["kernel"],
+                     params["fc_elu"]["bias"], w, b, params["norm"]["scale"],
+                     params["norm"]["bias"]))
+    assert np.abs(want[0] - want[1]).max() > 0.5
+    stacked = [jnp.stack(a) for a in zip(*sets)]
+    from jdqn.pallas import grn_tail
+    for tm, c2 in ((64, 64), (64, 32)):
+        got = np.asarray(fm.fused(*stacked, eps=grn_tail.EPSILON, tm=tm, c2=c2,
+                                  interpret=True).astype(jnp.float32))
+        for i in range(2):
+            np.testing.assert_allclose(got[i], want[i], atol=0.05, rtol=0.05,
+                                       err_msg=f"tm={tm} c2={c2} set {i}")
+    one = fm.fused_one(*sets[1], eps=grn_tail.EPSILON, interpret=True)
+    np.testing.assert_allclose(np.asarray(one.astype(jnp.float32)), want[1], atol=0.05,
+                               rtol=0.05)
+    with pytest.raises(ValueError, match="bf16 only"):
+        fm.fused(*[a.astype(jnp.float32) for a in stacked], eps=1e-3, interpret=True)
+    with pytest.raises(ValueError, match="does not tile"):
+        fm.fused(*stacked, eps=1e-3, tm=96, interpret=True)
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "128", "--width", "128", "--tiles", "",
+                 "--mgpu-tiles", "64/64/2/regs", "--interpret", "--reps", "1")
+    assert set(out["results"]) == {"xla", "mgpu_tm64_c64_s2_regs"}
+    assert out["results"]["mgpu_tm64_c64_s2_regs"]["max_abs_diff"] < 0.05
