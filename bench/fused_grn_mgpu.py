@@ -7,7 +7,7 @@ on chip, with the matmuls on Hopper's warpgroup MMA instead of Triton's dots. bf
 warpgroup and a tile of ``tm`` rows of one parameter set:
 
 1. TMA: the ``x`` tile (as ``h / 64`` column chunks, 128-byte swizzle) and the block's
-   vectors (``b_fc | b | scale | offset``, float32) into shared memory.
+   vectors (``b_fc | b | scale | offset``, float32, in boxes of 256) into shared memory.
 2. η = ELU(x W_fc + b_fc): ``W_fc`` streamed in 64-row chunks through a ``stages``-deep
    pipeline, wgmma into a ``[tm, h]`` float32 accumulator; η rounded to bf16 in registers
    (as the model stores it).
@@ -51,9 +51,12 @@ def _interpret_params():
 
 
 def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: int = 64,
-          stages: int = 2, eta_in: str = "regs", interpret: bool = False):
+          stages: int = 2, stages2: int | None = None, eta_in: str = "regs",
+          interpret: bool = False):
     """The block for ``P`` parameter sets at once: ``x [P, M, h]`` bf16, ``w_fc [P, h, h]``,
-    ``w [P, h, 2h]`` (cast to bf16), the vectors ``[P, ·]`` (float32). Returns ``[P, M, h]``."""
+    ``w [P, h, 2h]`` (cast to bf16), the vectors ``[P, ·]`` (float32). Returns ``[P, M, h]``.
+    ``stages``/``stages2``: the pipelines' depths for ``W_fc`` and ``W`` (``stages2`` defaults
+    to ``stages``)."""
     p, m, h = x.shape
     dt = x.dtype
     if dt != jnp.bfloat16:
@@ -62,6 +65,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
     if h % kc or h % c2 or m % tm or tm % 64:
         raise ValueError(f"shape M={m}, h={h} does not tile by tm={tm}, 64, c2={c2}")
     nk, n2 = h // kc, h // c2
+    nv = -(-5 * h // 256)  # the vectors' copies
     vec = jnp.concatenate([b_fc, b, scale, offset], axis=-1).astype(F32)  # [P, 5h]
     tr_x = _transforms(kc, dt)
     tr_w2 = _transforms(c2, dt)
@@ -85,8 +89,10 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
         rows = pl.ds(mi * tm, tm)
         for k in range(nk):
             plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(k * kc, kc)], x_s.at[k], bars.at[k])
-        plgpu.copy_gmem_to_smem(vec_g.at[pi], vec_s, bars.at[nk])
-        for k in range(nk + 1):
+        for q in range(nv):  # TMA boxes are at most 256 elements along each axis
+            piece = pl.ds(q * 256, min(256, 5 * h - q * 256))
+            plgpu.copy_gmem_to_smem(vec_g.at[pi, piece], vec_s.at[piece], bars.at[nk + q])
+        for k in range(nk + nv):
             plgpu.barrier_wait(bars.at[k])
 
         def row_vec(start, n):  # a [n] slice of the vectors, broadcast over the tile's rows
@@ -145,7 +151,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             step2, grid=(n2,),
             in_specs=[plgpu.BlockSpec((h, c2), lambda j: (0, j), transforms=tr_w2),
                       plgpu.BlockSpec((h, c2), lambda j: (0, n2 + j), transforms=tr_w2)],
-            max_concurrent_steps=min(stages, n2), init_carry=init)(w_g.at[pi], w_g.at[pi])
+            max_concurrent_steps=min(stages if stages2 is None else stages2, n2),
+            init_carry=init)(w_g.at[pi], w_g.at[pi])
 
         # 4. LayerNorm, written over the x tile and stored
         mean = s1 / h
@@ -168,7 +175,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
     scratch = {"x_s": plgpu.SMEM((nk, tm, kc), dt, transforms=tr_x),
                "s_s": plgpu.SMEM((n2, tm, c2), F32, transforms=tr_s),
                "vec_s": plgpu.SMEM((5 * h,), F32),
-               "bars": plgpu.Barrier(num_barriers=nk + 1)}
+               "bars": plgpu.Barrier(num_barriers=nk + nv)}
     if eta_in == "smem":
         scratch["eta_s"] = plgpu.SMEM((nk, tm, kc), dt, transforms=tr_x)
     kernel = plgpu.kernel(
