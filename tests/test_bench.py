@@ -565,8 +565,8 @@ def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
 
 def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
     """bench/fused_grn_mgpu.py's wgmma kernel (JAX's GPU interpreter) computes what GRNBlock
-    computes in bf16, for two parameter sets at once and for several row tiles and column
-    chunks; the bench runs it beside XLA's path."""
+    computes in bf16, for two parameter sets at once and pipelines of depth 1 and 2; the bench
+    runs it beside XLA's path."""
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     import jax
     import jax.numpy as jnp
@@ -597,12 +597,12 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
     assert np.abs(want[0] - want[1]).max() > 0.5
     stacked = [jnp.stack(a) for a in zip(*sets)]
     from jdqn.pallas import grn_tail
-    for tm, c2 in ((64, 64), (64, 32)):
-        got = np.asarray(fm.fused(*stacked, eps=grn_tail.EPSILON, tm=tm, c2=c2,
+    for stages in (1, 2):
+        got = np.asarray(fm.fused(*stacked, eps=grn_tail.EPSILON, stages=stages,
                                   interpret=True).astype(jnp.float32))
         for i in range(2):
             np.testing.assert_allclose(got[i], want[i], atol=0.05, rtol=0.05,
-                                       err_msg=f"tm={tm} c2={c2} set {i}")
+                                       err_msg=f"stages={stages} set {i}")
     one = fm.fused_one(*sets[1], eps=grn_tail.EPSILON, interpret=True)
     np.testing.assert_allclose(np.asarray(one.astype(jnp.float32)), want[1], atol=0.05,
                                rtol=0.05)
@@ -610,6 +610,8 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
         fm.fused(*[a.astype(jnp.float32) for a in stacked], eps=1e-3, interpret=True)
     with pytest.raises(ValueError, match="does not tile"):
         fm.fused(*stacked, eps=1e-3, tm=96, interpret=True)
+    with pytest.raises(ValueError, match="go by 64"):
+        fm.fused(*stacked, eps=1e-3, c2=32, interpret=True)
     out = _bench(tmp_path, "fused_grn.py", "--batch", "128", "--width", "128", "--tiles", "",
                  "--mgpu-tiles", "64/64/2/regs", "--interpret", "--reps", "1")
     assert set(out["results"]) == {"xla", "mgpu_tm64_c64_s2_regs"}
