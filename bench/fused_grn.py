@@ -137,12 +137,12 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         return jax.vmap(f) if pair else f
 
     fns = {"xla": bias_first(functools.partial(xla_path, interpret=interpret))}
-    for tm, c2, stages, eta_in, stages2 in mgpu_tiles if dtype == "bfloat16" else ():
+    for tm, c2, stages, eta_in, stages2, probe in mgpu_tiles if dtype == "bfloat16" else ():
         kw = {"eps": grn_tail.EPSILON, "tm": tm, "c2": c2, "stages": stages,
-              "stages2": stages2, "eta_in": eta_in, "interpret": interpret}
+              "stages2": stages2, "eta_in": eta_in, "probe": probe, "interpret": interpret}
         fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
         fns[f"mgpu_tm{tm}_c{c2}_s{stages}{'' if stages2 is None else f'-{stages2}'}"
-            f"_{eta_in}"] = fn
+            f"_{eta_in}{f'_probe_{probe}' if probe else ''}"] = fn
     for rows, warps, chunk, stages in tiles:
         fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
             fused, rows=rows, warps=warps, chunk=chunk, stages=stages, interpret=interpret))
@@ -168,6 +168,15 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
             "interpret": interpret, "reps": reps, "results": results}
 
 
+def _mgpu_tile(text: str) -> tuple:
+    """``tm/c2/stages/eta_in[/stages2[/probe]]`` → the kernel's settings."""
+    f = text.split("/")
+    if not 4 <= len(f) <= 6:
+        raise SystemExit(f"--mgpu-tiles: {text!r} is not tm/c2/stages/eta_in[/stages2[/probe]]")
+    stages2 = int(f[4]) if len(f) > 4 and f[4] else None
+    return int(f[0]), int(f[1]), int(f[2]), f[3], stages2, f[5] if len(f) > 5 else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16384)
@@ -179,15 +188,14 @@ def main() -> None:
                     help="rows/warps/chunk/stages, comma-separated")
     ap.add_argument("--mgpu-tiles", default="",
                     help="the Mosaic GPU kernel (bf16; bench/fused_grn_mgpu.py): "
-                         "tm/c2/stages/eta_in (regs|smem)[/stages2], comma-separated")
+                         "tm/c2/stages/eta_in (regs|smem)[/stages2[/probe]], comma-separated; "
+                         "a probe (no_act|no_ln|mm_only) drops work for timing")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
-    mgpu = [(*(int(v) for v in t.split("/")[:3]), t.split("/")[3],
-             int(t.split("/")[4]) if len(t.split("/")) > 4 else None)
-            for t in a.mgpu_tiles.split(",") if t]
+    mgpu = [_mgpu_tile(t) for t in a.mgpu_tiles.split(",") if t]
     emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu), a.out)
 
 

@@ -54,11 +54,13 @@ def _interpret_params():
 
 def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: int = 64,
           stages: int = 2, stages2: int | None = None, eta_in: str = "regs",
-          interpret: bool = False):
+          probe: str = "", interpret: bool = False):
     """The block for ``P`` parameter sets at once: ``x [P, M, h]`` bf16, ``w_fc [P, h, h]``,
     ``w [P, h, 2h]`` (cast to bf16), the vectors ``[P, ·]`` (float32). Returns ``[P, M, h]``.
     ``stages``/``stages2``: the pipelines' depths for ``W_fc`` and ``W`` (``stages2`` defaults
-    to ``stages``)."""
+    to ``stages``). ``probe`` (timing only, wrong values): ``"no_act"`` drops the ELU's and the
+    gate's ``exp`` (η = z, σ(g) → g), ``"no_ln"`` writes s unnormalised, ``"mm_only"`` both —
+    where the kernel's time goes."""
     p, m, h = x.shape
     dt = x.dtype
     if dt != jnp.bfloat16:
@@ -75,6 +77,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
     tr_s = _transforms(32, F32)
     if interpret:  # the GPU interpreter's wgmma takes its A operand from shared memory only
         eta_in = "smem"
+    if probe not in ("", "no_act", "no_ln", "mm_only"):
+        raise ValueError(f"probe must be '', 'no_act', 'no_ln' or 'mm_only', not {probe!r}")
     if eta_in not in ("regs", "smem"):
         raise ValueError(f"eta_in must be 'regs' or 'smem', not {eta_in!r}")
 
@@ -126,7 +130,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             return acc
 
         eta = pl.run_scoped(phase1, plgpu.SMEM((nk, tm, kc), dt, transforms=tr_x))
-        eta = _elu(eta + row_vec(0, h)).astype(dt)
+        act = probe not in ("no_act", "mm_only")
+        eta = (_elu if act else (lambda z: z))(eta + row_vec(0, h)).astype(dt)
         if eta_in == "smem":  # as the A operand of the products below
             for k in range(nk):
                 eta_s[k] = eta[:, k * kc:(k + 1) * kc]
@@ -150,7 +155,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             g, v = pl.run_scoped(mm, plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
             g = g.astype(dt).astype(F32) + row_vec(h + j * kc, kc)
             v = v.astype(dt).astype(F32) + row_vec(2 * h + j * kc, kc)
-            s = load(s_s.at[j], (), plgpu.Layout.WGMMA) + v / (1.0 + jnp.exp(-g))
+            s = load(s_s.at[j], (), plgpu.Layout.WGMMA) + (v / (1.0 + jnp.exp(-g)) if act
+                                                            else v * g)
             s_s[j] = s
             return s1 + s.sum(axis=1), s2 + (s * s).sum(axis=1)
 
@@ -171,7 +177,8 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
         def phase4(o_s):
             for j in range(nk):
                 s = load(s_s.at[j], (), plgpu.Layout.WGMMA)
-                out = (s - mean_b) * (rstd_b * row_vec(3 * h + j * kc, kc)) \
+                out = s if probe in ("no_ln", "mm_only") else \
+                    (s - mean_b) * (rstd_b * row_vec(3 * h + j * kc, kc)) \
                     + row_vec(4 * h + j * kc, kc)
                 o_s[j] = out.astype(dt)
             plgpu.commit_smem()
