@@ -612,7 +612,22 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
         fm.fused(*stacked, eps=1e-3, tm=96, interpret=True)
     with pytest.raises(ValueError, match="go by 64"):
         fm.fused(*stacked, eps=1e-3, c2=32, interpret=True)
+    # the timing probes drop work: each changes the values (so each drops something real)
+    full = np.asarray(fm.fused_one(*sets[0], eps=grn_tail.EPSILON, interpret=True)
+                      .astype(jnp.float32))
+    for probe in ("no_act", "no_ln", "mm_only"):
+        dropped = np.asarray(fm.fused_one(*sets[0], eps=grn_tail.EPSILON, probe=probe,
+                                          interpret=True).astype(jnp.float32))
+        assert np.abs(dropped - full).max() > 0.1, probe
+    with pytest.raises(ValueError, match="probe must be"):
+        fm.fused(*stacked, eps=1e-3, probe="fast", interpret=True)
     out = _bench(tmp_path, "fused_grn.py", "--batch", "128", "--width", "128", "--tiles", "",
-                 "--mgpu-tiles", "64/64/2/regs", "--interpret", "--reps", "1")
-    assert set(out["results"]) == {"xla", "mgpu_tm64_c64_s2_regs"}
+                 "--mgpu-tiles", "64/64/2/regs,64/64/1/smem/2/no_ln", "--interpret",
+                 "--reps", "1")
+    assert set(out["results"]) == {"xla", "mgpu_tm64_c64_s2_regs",
+                                   "mgpu_tm64_c64_s1-2_smem_probe_no_ln"}
     assert out["results"]["mgpu_tm64_c64_s2_regs"]["max_abs_diff"] < 0.05
+    assert out["results"]["mgpu_tm64_c64_s1-2_smem_probe_no_ln"]["max_abs_diff"] > 0.1
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--mgpu-tiles",
+                          "64/64"], check=False, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--mgpu-tiles: '64/64'" in bad.stderr
