@@ -45,12 +45,21 @@ def _elu(z):
     return jnp.where(z > 0, z, jnp.exp(jnp.minimum(z, 0.0)) - 1.0)
 
 
+def eta_from_product(acc, b_fc, dt):
+    """η from the first layer's float32 product as the model forms it under ``dt``: the
+    product stored in ``dt``, the bias added in float32 and rounded to ``dt``
+    (``jdqn.networks.trunk.add_bias``), the ELU of that stored in ``dt`` (no-ops in float32)."""
+    f32 = jnp.float32
+    z = (acc.astype(dt).astype(f32) + b_fc).astype(dt).astype(f32)
+    return _elu(z).astype(dt)
+
+
 def xla_path(x, w_fc, b_fc, w, b, scale, offset, *, interpret=False):
     """The model's grad-free block: GEMM + bias + ELU, the folded GEMM, the tail kernel (its
     reference off the GPU unless ``interpret``)."""
     dt = x.dtype
-    eta = _elu(jnp.dot(x, w_fc.astype(dt), preferred_element_type=jnp.float32)
-               + b_fc).astype(dt)
+    eta = eta_from_product(jnp.dot(x, w_fc.astype(dt), preferred_element_type=jnp.float32),
+                           b_fc, dt)
     y = jnp.dot(eta, w.astype(dt), preferred_element_type=jnp.float32).astype(dt)
     if jax.default_backend() == "gpu" or interpret:
         return grn_tail.grn_tail(y, b, x, scale, offset, grn_tail.EPSILON, interpret)
@@ -68,8 +77,8 @@ def _kernel(x_ref, wfc_ref, bfc_ref, w_ref, b_ref, scale_ref, offset_ref, o_ref,
     acc_v = jnp.zeros((rows, h), f32)
     for c in range(h // chunk):  # unrolled: the chunks of η's columns (the second contraction)
         cols = pl.ds(c * chunk, chunk)
-        eta = _elu(jnp.dot(x, wfc_ref[:, cols], preferred_element_type=f32)
-                   + bfc_ref[:, cols]).astype(dt)
+        eta = eta_from_product(jnp.dot(x, wfc_ref[:, cols], preferred_element_type=f32),
+                               bfc_ref[:, cols], dt)
         acc_g += jnp.dot(eta, w_ref[cols, pl.ds(0, h)], preferred_element_type=f32)
         acc_v += jnp.dot(eta, w_ref[cols, pl.ds(h, h)], preferred_element_type=f32)
     if dt == jnp.bfloat16:  # the model stores the product as bf16 before the tail
@@ -137,7 +146,7 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         return jax.vmap(f) if pair else f
 
     fns = {"xla": bias_first(functools.partial(xla_path, interpret=interpret))}
-    for tm, c2, stages, eta_in, stages2, probe in mgpu_tiles if dtype == "bfloat16" else ():
+    for tm, c2, stages, eta_in, stages2, probe in mgpu_tiles:
         kw = {"eps": grn_tail.EPSILON, "tm": tm, "c2": c2, "stages": stages,
               "stages2": stages2, "eta_in": eta_in, "probe": probe, "interpret": interpret}
         fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
@@ -158,6 +167,7 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
             a, a2 = (np.asarray(jax.block_until_ready(one(*args)).astype(jnp.float32))
                      for _ in range(2))
             results[name] = {"max_abs_diff": float(np.max(np.abs(a - ref))),
+                             "frac_diff": float(np.mean(a != ref)),
                              "bitwise_repeat": bool(np.array_equal(a, a2))}
             if not interpret:
                 results[name]["us"] = round(1e6 * seconds_per_call(fn, args, reps), 1)
@@ -169,12 +179,29 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
 
 
 def _mgpu_tile(text: str) -> tuple:
-    """``tm/c2/stages/eta_in[/stages2[/probe]]`` → the kernel's settings."""
+    """``tm/c2/stages/eta_in[/stages2[/probe]]`` → the kernel's settings (SystemExit naming
+    the entry and the field when one is not valid)."""
+    from fused_grn_mgpu import ETA_IN, PROBES
+
+    form = "tm/c2/stages/eta_in[/stages2[/probe]]"
     f = text.split("/")
     if not 4 <= len(f) <= 6:
-        raise SystemExit(f"--mgpu-tiles: {text!r} is not tm/c2/stages/eta_in[/stages2[/probe]]")
-    stages2 = int(f[4]) if len(f) > 4 and f[4] else None
-    return int(f[0]), int(f[1]), int(f[2]), f[3], stages2, f[5] if len(f) > 5 else ""
+        raise SystemExit(f"--mgpu-tiles: {text!r} is not {form}")
+    ints = []
+    for name, value in zip(("tm", "c2", "stages", "stages2"), (*f[:3], *f[4:5])):
+        if value == "" and name == "stages2":
+            ints.append(None)
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--mgpu-tiles: {text!r}: {name} = {value!r} is not a positive "
+                             f"integer ({form})")
+        ints.append(int(value))
+    if f[3] not in ETA_IN:
+        raise SystemExit(f"--mgpu-tiles: {text!r}: eta_in = {f[3]!r} is not one of {ETA_IN}")
+    probe = f[5] if len(f) > 5 else ""
+    if probe not in PROBES:
+        raise SystemExit(f"--mgpu-tiles: {text!r}: probe = {probe!r} is not one of {PROBES[1:]}")
+    return ints[0], ints[1], ints[2], f[3], ints[3] if len(ints) > 3 else None, probe
 
 
 def main() -> None:
@@ -196,6 +223,9 @@ def main() -> None:
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
     mgpu = [_mgpu_tile(t) for t in a.mgpu_tiles.split(",") if t]
+    if mgpu and a.dtype != "bfloat16":
+        raise SystemExit(f"--mgpu-tiles: the Mosaic GPU kernel runs bf16 only, not --dtype "
+                         f"{a.dtype}")
     emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu), a.out)
 
 

@@ -9,34 +9,40 @@ warpgroup and a tile of ``tm`` rows of one parameter set:
 1. TMA: the block's vectors (``b_fc | b | scale | offset``, float32, in boxes of 256) and
    the ``x`` tile (as ``h / 64`` column chunks, 128-byte swizzle) into shared memory.
 2. η = ELU(x W_fc + b_fc): ``W_fc`` streamed in 64-row chunks through a ``stages``-deep
-   pipeline, wgmma into a ``[tm, h]`` float32 accumulator; η rounded to bf16 in registers
-   (as the model stores it). The residual's float32 copy of ``x`` is written to the buffer of
+   pipeline, wgmma into a ``[tm, h]`` float32 accumulator; η formed in registers with the
+   model's roundings (product, bias add and ELU each stored as bf16,
+   ``fused_grn.eta_from_product``). The residual's float32 copy of ``x`` is written to the buffer of
    s, and ``x``'s own buffer is released (a scoped allocation), which leaves room for a
    two-deep pipeline in the next phase.
 3. Per 64 output columns (``W``'s gate and value halves streamed as two ``[h, 64]`` blocks,
-   ``stages2`` deep): g and v by wgmma with η as the register operand, rounded to bf16 (the
+   ``stages2`` deep): g and v by wgmma with η as the register operand (``eta_in = "regs"``;
+   ``"smem"`` stores η to shared memory for it instead), rounded to bf16 (the
    model stores the product so), ``s = x + (v + b_v)·σ(g + b_g)`` in float32 in shared
    memory, the row sums of s and s² carried in registers.
 4. LayerNorm from those sums (the model's ``E[s²] − E[s]²`` form), scaled and offset, into a
    staging buffer of its own, stored by TMA.
 
-Only for ``h`` a multiple of 64 and ``M`` a multiple of ``tm`` (64; one warpgroup): enough for
-the bench's question (the default model's width 256 at B = 16384), not a model path. Runs off
-the GPU in JAX's GPU interpreter (``interpret=True``), which the tests use for the values."""
+Only for ``h`` a multiple of 64 and ``M`` a multiple of ``tm`` (a multiple of 64; one
+warpgroup per CTA, measured at 64): enough for the bench's question (the default model's width
+256 at B = 16384), not a model path. Runs off the GPU in JAX's GPU interpreter
+(``interpret=True``), which the tests use for the values, with ``eta_in = "smem"`` only (the
+interpreter's wgmma reads A from shared memory): the register path's values are checked on
+the GPU, where the bench compares every variant with XLA's path."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from fused_grn import eta_from_product  # bench/ on the path, as bench/fused_grn.py runs it
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
+PROBES = ("", "no_act", "no_ln", "mm_only")
+ETA_IN = ("regs", "smem")
 
 
-def _elu(z):
-    return jnp.where(z > 0, z, jnp.exp(jnp.minimum(z, 0.0)) - 1.0)
 
 
 def _transforms(cols: int, dtype) -> tuple:
@@ -75,12 +81,15 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
     vec = jnp.concatenate([b_fc, b, scale, offset], axis=-1).astype(F32)  # [P, 5h]
     tr_x = _transforms(kc, dt)
     tr_s = _transforms(32, F32)
-    if interpret:  # the GPU interpreter's wgmma takes its A operand from shared memory only
-        eta_in = "smem"
-    if probe not in ("", "no_act", "no_ln", "mm_only"):
-        raise ValueError(f"probe must be '', 'no_act', 'no_ln' or 'mm_only', not {probe!r}")
-    if eta_in not in ("regs", "smem"):
-        raise ValueError(f"eta_in must be 'regs' or 'smem', not {eta_in!r}")
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
+    if eta_in not in ETA_IN:
+        raise ValueError(f"eta_in must be one of {ETA_IN}, not {eta_in!r}")
+    if interpret and eta_in == "regs":
+        raise ValueError("eta_in = 'regs' runs on the GPU only: the GPU interpreter's wgmma "
+                         "takes its A operand from shared memory (eta_in = 'smem')")
+    if stages < 1 or (stages2 is not None and stages2 < 1):
+        raise ValueError(f"stages = {stages}, stages2 = {stages2}: pipelines are 1 deep or more")
 
     def load(ref, idx, layout):
         # JAX's GPU interpreter (jax 0.10) has no rule for plgpu.load: a plain read there
@@ -127,11 +136,13 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             acc = pl.run_scoped(gemm1, plgpu.ACC((tm, h), F32))
             for k in range(nk):
                 s_s[k] = load(x_s.at[k], (), plgpu.Layout.WGMMA).astype(F32)
+            plgpu.commit_smem()  # the reads of x done before its bytes take TMA writes
             return acc
 
         eta = pl.run_scoped(phase1, plgpu.SMEM((nk, tm, kc), dt, transforms=tr_x))
         act = probe not in ("no_act", "mm_only")
-        eta = (_elu if act else (lambda z: z))(eta + row_vec(0, h)).astype(dt)
+        eta = eta_from_product(eta, row_vec(0, h), dt) if act else \
+            (eta + row_vec(0, h)).astype(dt)
         if eta_in == "smem":  # as the A operand of the products below
             for k in range(nk):
                 eta_s[k] = eta[:, k * kc:(k + 1) * kc]
