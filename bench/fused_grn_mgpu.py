@@ -91,11 +91,9 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
     if stages < 1 or (stages2 is not None and stages2 < 1):
         raise ValueError(f"stages = {stages}, stages2 = {stages2}: pipelines are 1 deep or more")
 
-    def load(ref, idx, layout):
+    def load(ref, layout):  # the whole ref into registers laid out as ``layout``
         # JAX's GPU interpreter (jax 0.10) has no rule for plgpu.load: a plain read there
-        if interpret:
-            return ref[idx] if idx != () else ref[...]
-        return plgpu.load(ref, idx, layout=layout)
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
     def cast(value, layout):  # nor for layout_cast
         return value if interpret else plgpu.layout_cast(value, layout)
@@ -108,7 +106,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             plgpu.copy_gmem_to_smem(vec_g.at[pi, piece], vec_s.at[piece], bars.at[nk + q])
 
         def row_vec(start, n):  # a [n] slice of the vectors, broadcast over the tile's rows
-            v = load(vec_s.at[pl.ds(start, n)], (), plgpu.Layout.WGMMA.reduce(0))
+            v = load(vec_s.at[pl.ds(start, n)], plgpu.Layout.WGMMA.reduce(0))
             return lax.broadcast_in_dim(v, (tm, n), [1])
 
         # 2. η = ELU(x W_fc + b_fc), W_fc streamed by 64-row chunks; x lives in shared memory
@@ -135,7 +133,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
 
             acc = pl.run_scoped(gemm1, plgpu.ACC((tm, h), F32))
             for k in range(nk):
-                s_s[k] = load(x_s.at[k], (), plgpu.Layout.WGMMA).astype(F32)
+                s_s[k] = load(x_s.at[k], plgpu.Layout.WGMMA).astype(F32)
             plgpu.commit_smem()  # the reads of x done before its bytes take TMA writes
             return acc
 
@@ -166,7 +164,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
             g, v = pl.run_scoped(mm, plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
             g = g.astype(dt).astype(F32) + row_vec(h + j * kc, kc)
             v = v.astype(dt).astype(F32) + row_vec(2 * h + j * kc, kc)
-            s = load(s_s.at[j], (), plgpu.Layout.WGMMA) + (v / (1.0 + jnp.exp(-g)) if act
+            s = load(s_s.at[j], plgpu.Layout.WGMMA) + (v / (1.0 + jnp.exp(-g)) if act
                                                             else v * g)
             s_s[j] = s
             return s1 + s.sum(axis=1), s2 + (s * s).sum(axis=1)
@@ -187,7 +185,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
 
         def phase4(o_s):
             for j in range(nk):
-                s = load(s_s.at[j], (), plgpu.Layout.WGMMA)
+                s = load(s_s.at[j], plgpu.Layout.WGMMA)
                 out = s if probe in ("no_ln", "mm_only") else \
                     (s - mean_b) * (rstd_b * row_vec(3 * h + j * kc, kc)) \
                     + row_vec(4 * h + j * kc, kc)
