@@ -128,17 +128,19 @@ def make_args(m: int, h: int, pair: int, dtype: str):
     return b_fc, x, w_fc, w, b, scale, offset
 
 
-def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw):
-    """The Mosaic GPU kernel in the timing loop's argument order; it takes the pair itself."""
+def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw, design="fused"):
+    """A Mosaic GPU kernel (``fused_grn_mgpu.<design>``) in the timing loop's argument order;
+    it takes the pair itself."""
     import fused_grn_mgpu
+    fn = getattr(fused_grn_mgpu, design)
     args = (x, w_fc, b_fc, *rest)
     if pair:
-        return fused_grn_mgpu.fused(*args, **kw)
-    return fused_grn_mgpu.fused_one(*args, **kw)
+        return fn(*args, **kw)
+    return fn(*(a[None] for a in args), **kw)[0]
 
 
 def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool,
-        mgpu_tiles=()) -> dict:
+        mgpu_tiles=(), mgpu_rs=()) -> dict:
     args = make_args(m, h, pair, dtype)
 
     def bias_first(fn):
@@ -152,6 +154,11 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
         fns[f"mgpu_tm{tm}_c{c2}_s{stages}{'' if stages2 is None else f'-{stages2}'}"
             f"_{eta_in}{f'_probe_{probe}' if probe else ''}"] = fn
+    for stages, stages2, probe in mgpu_rs:
+        kw = {"eps": grn_tail.EPSILON, "stages": stages, "stages2": stages2, "probe": probe,
+              "interpret": interpret}
+        fns[f"mgpu_rs_s{stages}-{stages2}{f'_probe_{probe}' if probe else ''}"] = \
+            functools.partial(_mgpu_bias_first, pair=pair, kw=kw, design="fused_rs")
     for rows, warps, chunk, stages in tiles:
         fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
             fused, rows=rows, warps=warps, chunk=chunk, stages=stages, interpret=interpret))
@@ -204,6 +211,25 @@ def _mgpu_tile(text: str) -> tuple:
     return ints[0], ints[1], ints[2], f[3], ints[3] if len(ints) > 3 else None, probe
 
 
+def _mgpu_rs(text: str) -> tuple:
+    """``stages/stages2[/probe]`` → :func:`fused_grn_mgpu.fused_rs`'s settings (SystemExit
+    naming the entry and the field when one is not valid)."""
+    from fused_grn_mgpu import PROBES
+
+    form = "stages/stages2[/probe]"
+    f = text.split("/")
+    if not 2 <= len(f) <= 3:
+        raise SystemExit(f"--mgpu-rs: {text!r} is not {form}")
+    for name, value in zip(("stages", "stages2"), f):
+        if not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--mgpu-rs: {text!r}: {name} = {value!r} is not a positive "
+                             f"integer ({form})")
+    probe = f[2] if len(f) > 2 else ""
+    if probe not in PROBES:
+        raise SystemExit(f"--mgpu-rs: {text!r}: probe = {probe!r} is not one of {PROBES[1:]}")
+    return int(f[0]), int(f[1]), probe
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16384)
@@ -217,16 +243,21 @@ def main() -> None:
                     help="the Mosaic GPU kernel (bf16; bench/fused_grn_mgpu.py): "
                          "tm/c2/stages/eta_in (regs|smem)[/stages2[/probe]], comma-separated; "
                          "a probe (no_act|no_ln|mm_only) drops work for timing")
+    ap.add_argument("--mgpu-rs", default="",
+                    help="the Mosaic GPU kernel with s in registers, two CTAs per SM (bf16; "
+                         "fused_grn_mgpu.fused_rs): stages/stages2[/probe], comma-separated")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
     mgpu = [_mgpu_tile(t) for t in a.mgpu_tiles.split(",") if t]
-    if mgpu and a.dtype != "bfloat16":
-        raise SystemExit(f"--mgpu-tiles: the Mosaic GPU kernel runs bf16 only, not --dtype "
-                         f"{a.dtype}")
-    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu), a.out)
+    rs = [_mgpu_rs(t) for t in a.mgpu_rs.split(",") if t]
+    for flag, given in (("--mgpu-tiles", mgpu), ("--mgpu-rs", rs)):
+        if given and a.dtype != "bfloat16":
+            raise SystemExit(f"{flag}: the Mosaic GPU kernel runs bf16 only, not --dtype "
+                             f"{a.dtype}")
+    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs), a.out)
 
 
 if __name__ == "__main__":

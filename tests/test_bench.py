@@ -564,26 +564,23 @@ def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
     assert out["results"]["fused_r16_w4_c16_s2"]["max_abs_diff"] < 0.05
 
 
-def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
-    """bench/fused_grn_mgpu.py's wgmma kernel (JAX's GPU interpreter, η through shared memory)
-    computes what GRNBlock computes on the GPU (the grad-free block with its tail kernel,
-    ``impl = "pallas"``) in bf16, bit for bit but for rare last-bit differences, for two
-    parameter sets and inputs at once and pipelines of depth 1 and 2; the timing probes each
-    drop something; the bench runs it beside XLA's path and refuses bad settings."""
+def _grn_block_sets(h: int = 128, m: int = 128):
+    """bench/fused_grn_mgpu.py as a module, two parameter sets and inputs of GRNBlock (bf16)
+    in the kernels' argument order (each and stacked), what the model's GPU block computes for
+    each, and a check against that (a changed rounding, epsilon or normalisation moves
+    percents of the elements)."""
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jdqn.networks.trunk import GRNBlock
-    from jdqn.pallas import grn_tail
 
     sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("fused_grn_mgpu",
                                                   REPO / "bench" / "fused_grn_mgpu.py")
     fm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fm)
-    h, m = 128, 128
     block = GRNBlock(width=h, matmul_dtype="bfloat16", impl="pallas", grad_free=True)
     sets, want = [], []
     for seed in (0, 3):  # two parameter sets and inputs: the kernel must pick each set's own
@@ -600,19 +597,34 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
     assert np.abs(want[0] - want[1]).max() > 0.5
     stacked = [jnp.stack(a) for a in zip(*sets)]
 
-    def assert_model(got, i, what):
-        # a changed rounding, epsilon or normalisation moves percents of the elements
+    def assert_model(got, i, what, frac=1e-3):
+        got = np.asarray(got.astype(jnp.float32))
         assert np.abs(got - want[i]).max() <= 1 / 32, what
-        assert np.mean(got != want[i]) <= 1e-3, what
+        assert np.mean(got != want[i]) <= frac, what
+
+    return fm, sets, stacked, assert_model
+
+
+def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
+    """bench/fused_grn_mgpu.py's wgmma kernel (JAX's GPU interpreter, η through shared memory)
+    computes what GRNBlock computes on the GPU (the grad-free block with its tail kernel,
+    ``impl = "pallas"``) in bf16, bit for bit but for rare last-bit differences, for two
+    parameter sets and inputs at once and pipelines of depth 1 and 2; the timing probes each
+    drop something; the bench runs it beside XLA's path and refuses bad settings."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jdqn.pallas import grn_tail
+
+    fm, sets, stacked, assert_model = _grn_block_sets()
 
     for stages, stages2 in ((1, 1), (2, 2), (2, 1)):
-        got = np.asarray(fm.fused(*stacked, eps=grn_tail.EPSILON, stages=stages,
-                                  stages2=stages2, eta_in="smem", interpret=True)
-                         .astype(jnp.float32))
+        got = fm.fused(*stacked, eps=grn_tail.EPSILON, stages=stages, stages2=stages2,
+                       eta_in="smem", interpret=True)
         for i in range(2):
             assert_model(got[i], i, f"stages={stages}/{stages2} set {i}")
     one = fm.fused_one(*sets[1], eps=grn_tail.EPSILON, eta_in="smem", interpret=True)
-    assert_model(np.asarray(one.astype(jnp.float32)), 1, "one set")
+    assert_model(one, 1, "one set")
     bad = {"bf16 only": {"dtype": jnp.float32}, "does not tile": {"tm": 96},
            "go by 64": {"c2": 32}, "probe must be": {"probe": "fast"},
            "eta_in must be": {"eta_in": "reg"}, "GPU only": {"eta_in": "regs"},
@@ -649,3 +661,49 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
                           "64/64/2/regs", "--dtype", "float32"], check=False,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "bf16 only" in bad.stderr
+
+
+def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block(tmp_path):
+    """bench/fused_grn_mgpu.py's ``fused_rs`` (s in registers, rings through one aliased
+    buffer; JAX's GPU interpreter) computes what GRNBlock computes on the GPU, for two
+    parameter sets at once, at widths of two and four column blocks and with rings of one
+    slot (every refill waits for the wgmma before it), two, three and one per step; the
+    probes each drop something; the bench runs it and refuses bad settings."""
+    import numpy as np
+
+    from jdqn.pallas import grn_tail
+
+    fm, _, stacked, assert_model = _grn_block_sets()
+    for stages, stages2 in ((1, 1), (2, 3), (3, 4)):  # h = 128: 2 W_fc chunks, 4 W steps
+        got = fm.fused_rs(*stacked, eps=grn_tail.EPSILON, stages=stages, stages2=stages2,
+                          interpret=True)
+        for i in range(2):
+            assert_model(got[i], i, f"stages={stages}/{stages2} set {i}")
+    fm, _, stacked, assert_model = _grn_block_sets(h=256, m=64)  # 4 chunks, 16 W steps
+    got = fm.fused_rs(*stacked, eps=grn_tail.EPSILON, stages=2, stages2=3, interpret=True)
+    for i in range(2):  # the LayerNorm's sums over four column blocks, not one row: their
+        # float32 order moves a few more last bits (0.18 %; a changed rounding moves percents)
+        assert_model(got[i], i, f"h=256 set {i}", frac=5e-3)
+    bad = {"bf16 only": {"dtype": "float32"}, "does not tile": {"rows": 32},
+           "probe must be": {"probe": "fast"}, "1 slot or more": {"stages2": 0}}
+    for message, kw in bad.items():
+        x = stacked[0].astype(kw.pop("dtype", stacked[0].dtype))[:, :kw.pop("rows", 64)]
+        with pytest.raises(ValueError, match=message):
+            fm.fused_rs(x, *stacked[1:], eps=1e-3, **kw, interpret=True)
+    dropped = {probe: np.asarray(fm.fused_rs(*(a[:1] for a in stacked), eps=grn_tail.EPSILON,
+                                             probe=probe, interpret=True)[0].astype("float32"))
+               for probe in ("", "no_act", "no_ln", "mm_only")}
+    for p, q in itertools.combinations(dropped, 2):
+        assert np.abs(dropped[p] - dropped[q]).max() > 0.1, (p, q)
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "128", "--tiles", "",
+                 "--mgpu-rs", "2/3,1/2/no_ln", "--interpret", "--reps", "1")
+    assert set(out["results"]) == {"xla", "mgpu_rs_s2-3", "mgpu_rs_s1-2_probe_no_ln"}
+    assert out["results"]["mgpu_rs_s2-3"]["frac_diff"] <= 1e-3
+    assert out["results"]["mgpu_rs_s1-2_probe_no_ln"]["max_abs_diff"] > 0.1
+    for flags, message in ((["--mgpu-rs", "2"], "is not stages/stages2"),
+                           (["--mgpu-rs", "2/0"], "stages2 = '0'"),
+                           (["--mgpu-rs", "2/3/fast"], "probe = 'fast'"),
+                           (["--mgpu-rs", "2/3", "--dtype", "float32"], "bf16 only")):
+        bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), *flags],
+                             check=False, capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
