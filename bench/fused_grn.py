@@ -154,10 +154,11 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
         fns[f"mgpu_tm{tm}_c{c2}_s{stages}{'' if stages2 is None else f'-{stages2}'}"
             f"_{eta_in}{f'_probe_{probe}' if probe else ''}"] = fn
-    for stages, stages2, probe in mgpu_rs:
+    for stages, stages2, probe, approx in mgpu_rs:
         kw = {"eps": grn_tail.EPSILON, "stages": stages, "stages2": stages2, "probe": probe,
-              "interpret": interpret}
-        fns[f"mgpu_rs_s{stages}-{stages2}{f'_probe_{probe}' if probe else ''}"] = \
+              "approx": approx, "interpret": interpret}
+        fns[f"mgpu_rs_s{stages}-{stages2}{f'_probe_{probe}' if probe else ''}"
+            f"{'_approx' if approx else ''}"] = \
             functools.partial(_mgpu_bias_first, pair=pair, kw=kw, design="fused_rs")
     for rows, warps, chunk, stages in tiles:
         fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
@@ -212,11 +213,12 @@ def _mgpu_tile(text: str) -> tuple:
 
 
 def _mgpu_rs(text: str) -> tuple:
-    """``stages/stages2[/probe]`` → :func:`fused_grn_mgpu.fused_rs`'s settings (SystemExit
-    naming the entry and the field when one is not valid)."""
+    """``stages/stages2[/options]`` → :func:`fused_grn_mgpu.fused_rs`'s settings; options
+    joined by ``+``: a probe and/or ``approx`` (SystemExit naming the entry and the field when
+    one is not valid)."""
     from fused_grn_mgpu import PROBES
 
-    form = "stages/stages2[/probe]"
+    form = "stages/stages2[/options]"
     f = text.split("/")
     if not 2 <= len(f) <= 3:
         raise SystemExit(f"--mgpu-rs: {text!r} is not {form}")
@@ -224,10 +226,13 @@ def _mgpu_rs(text: str) -> tuple:
         if not value.isdigit() or int(value) < 1:
             raise SystemExit(f"--mgpu-rs: {text!r}: {name} = {value!r} is not a positive "
                              f"integer ({form})")
-    probe = f[2] if len(f) > 2 else ""
-    if probe not in PROBES:
-        raise SystemExit(f"--mgpu-rs: {text!r}: probe = {probe!r} is not one of {PROBES[1:]}")
-    return int(f[0]), int(f[1]), probe
+    options = f[2].split("+") if len(f) > 2 else []
+    approx = "approx" in options
+    probes = [o for o in options if o != "approx"]
+    if len(probes) > 1 or (probes and probes[0] not in PROBES[1:]):
+        raise SystemExit(f"--mgpu-rs: {text!r}: options {f[2]!r} are not a probe "
+                         f"{PROBES[1:]} and/or 'approx'")
+    return int(f[0]), int(f[1]), probes[0] if probes else "", approx
 
 
 def main() -> None:
@@ -245,7 +250,8 @@ def main() -> None:
                          "a probe (no_act|no_ln|mm_only) drops work for timing")
     ap.add_argument("--mgpu-rs", default="",
                     help="the Mosaic GPU kernel with s in registers, two CTAs per SM (bf16; "
-                         "fused_grn_mgpu.fused_rs): stages/stages2[/probe], comma-separated")
+                         "fused_grn_mgpu.fused_rs): stages/stages2[/options], comma-separated; "
+                         "options joined by +: a probe, approx (approximate exp)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")

@@ -220,7 +220,8 @@ def fused_one(x, w_fc, b_fc, w, b, scale, offset, **kw):
 
 
 def fused_rs(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
-             stages2: int = 3, probe: str = "", interpret: bool = False):
+             stages2: int = 3, probe: str = "", approx: bool = False,
+             interpret: bool = False):
     """The block with s in registers and ~100 KB of shared memory, so that two CTAs share an
     SM and each one's TMA waits, wgmma and elementwise math hide behind the other's (the
     latency :func:`fused` spends alone at ~200 KB). Per CTA one warpgroup and 64 rows:
@@ -238,7 +239,10 @@ def fused_rs(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
 
     The loops are unrolled (s's column blocks are separate register values), the ring's
     slots refilled as soon as the wgmma reading them has retired. Same arguments, shapes and
-    ``probe`` as :func:`fused` (``tm`` fixed at 64, η always from shared memory)."""
+    ``probe`` as :func:`fused` (``tm`` fixed at 64, η always from shared memory).
+    ``approx=True`` compiles with Mosaic GPU's ``approx_math``: ``exp`` as ``ex2.approx`` of
+    ``x·log2 e`` (Triton's ``exp``, which the model's tail kernel uses) instead of the
+    precise ``exp``; division stays IEEE."""
     p, m, h = x.shape
     dt, tm, kc = x.dtype, 64, 64
     if dt != jnp.bfloat16:
@@ -387,6 +391,7 @@ def fused_rs(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
                        "bar_fc": plgpu.Barrier(num_barriers=s1_),
                        "bar_w": plgpu.Barrier(num_arrivals=2, num_barriers=s2_),
                        "bar_x": plgpu.Barrier(num_barriers=2)},
+        compiler_params=plgpu.CompilerParams(approx_math=True) if approx else None,
         interpret=_interpret_params() if interpret else None,
     )
     return kernel(x, w_fc.astype(dt), w.astype(dt), vec)
