@@ -39,19 +39,7 @@ from jax.experimental.pallas import triton as pl_triton
 from timing import emit, seconds_per_call
 
 from jdqn.pallas import grn_tail
-
-
-def _elu(z):
-    return jnp.where(z > 0, z, jnp.exp(jnp.minimum(z, 0.0)) - 1.0)
-
-
-def eta_from_product(acc, b_fc, dt):
-    """η from the first layer's float32 product as the model forms it under ``dt``: the
-    product stored in ``dt``, the bias added in float32 and rounded to ``dt``
-    (``jdqn.networks.trunk.add_bias``), the ELU of that stored in ``dt`` (no-ops in float32)."""
-    f32 = jnp.float32
-    z = (acc.astype(dt).astype(f32) + b_fc).astype(dt).astype(f32)
-    return _elu(z).astype(dt)
+from jdqn.pallas.grn_block import eta_from_product
 
 
 def xla_path(x, w_fc, b_fc, w, b, scale, offset, *, interpret=False):

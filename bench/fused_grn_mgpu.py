@@ -11,7 +11,7 @@ warpgroup and a tile of ``tm`` rows of one parameter set:
 2. η = ELU(x W_fc + b_fc): ``W_fc`` streamed in 64-row chunks through a ``stages``-deep
    pipeline, wgmma into a ``[tm, h]`` float32 accumulator; η formed in registers with the
    model's roundings (product, bias add and ELU each stored as bf16,
-   ``fused_grn.eta_from_product``). The residual's float32 copy of ``x`` is written to the buffer of
+   ``grn_block.eta_from_product``). The residual's float32 copy of ``x`` is written to the buffer of
    s, and ``x``'s own buffer is released (a scoped allocation), which leaves room for a
    two-deep pipeline in the next phase.
 3. Per 64 output columns (``W``'s gate and value halves streamed as two ``[h, 64]`` blocks,
@@ -33,29 +33,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from fused_grn import eta_from_product  # bench/ on the path, as bench/fused_grn.py runs it
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jdqn.pallas import grn_block
+from jdqn.pallas.grn_block import _interpret_params, _transforms, eta_from_product
+
 F32 = jnp.float32
-PROBES = ("", "no_act", "no_ln", "mm_only")
+PROBES = grn_block.PROBES
 ETA_IN = ("regs", "smem")
 
 
-
-
-def _transforms(cols: int, dtype) -> tuple:
-    """TMA/wgmma tiling and swizzle for a block ``cols`` wide of ``dtype``."""
-    width = cols * jnp.dtype(dtype).itemsize
-    swizzle = min(128, width)
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
 
 
 def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: int = 64,
@@ -222,176 +211,9 @@ def fused_one(x, w_fc, b_fc, w, b, scale, offset, **kw):
 def fused_rs(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
              stages2: int = 3, probe: str = "", approx: bool = False,
              interpret: bool = False):
-    """The block with s in registers and ~100 KB of shared memory, so that two CTAs share an
-    SM and each one's TMA waits, wgmma and elementwise math hide behind the other's (the
-    latency :func:`fused` spends alone at ~200 KB). Per CTA one warpgroup and 64 rows:
-
-    1. TMA: the vectors and the ``x`` tile; ``W_fc`` by ``[64, h]`` row chunks through a
-       ``stages``-slot ring; η = ELU(x W_fc + b_fc) accumulated in registers.
-    2. η (the model's roundings) written over ``x``'s buffer, the A operand of the products
-       below (from shared memory: with s in registers there is no room for η there too).
-    3. ``W``'s gate and value halves streamed as ``[64, 64]`` blocks, column block j by
-       contraction chunk k (4·4 steps at h = 256), through a ``stages2``-slot ring that
-       reuses ``W_fc``'s bytes (a ``RefUnion``), ``x``'s column blocks beside them for the
-       residual; per column block g and v rounded to bf16, ``s_j = x_j + (v + b_v)·σ(g +
-       b_g)`` kept in registers (float32) with its row sums.
-    4. LayerNorm from the sums into ``x``'s buffer again, stored by TMA.
-
-    The loops are unrolled (s's column blocks are separate register values), the ring's
-    slots refilled as soon as the wgmma reading them has retired. Same arguments, shapes and
-    ``probe`` as :func:`fused` (``tm`` fixed at 64, η always from shared memory).
-    ``approx=True`` compiles with Mosaic GPU's ``approx_math``: ``exp`` as ``ex2.approx`` of
-    ``x·log2 e`` (Triton's ``exp``, which the model's tail kernel uses) instead of the
-    precise ``exp``; division stays IEEE."""
-    p, m, h = x.shape
-    dt, tm, kc = x.dtype, 64, 64
-    if dt != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU block runs bf16 only, not {dt}")
-    if h % kc or m % tm:
-        raise ValueError(f"shape M={m}, h={h} does not tile by tm={tm} and 64")
-    if probe not in PROBES:
-        raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
-    if stages < 1 or stages2 < 1:
-        raise ValueError(f"stages = {stages}, stages2 = {stages2}: rings are 1 slot or more")
-    nk = h // kc
-    nv = -(-5 * h // 256)
-    vec = jnp.concatenate([b_fc, b, scale, offset], axis=-1).astype(F32)
-    tr = _transforms(kc, dt)
-    s1_ = min(stages, nk)
-    steps = [(j, k) for j in range(nk) for k in range(nk)]  # phase 3: column block, chunk
-    s2_ = min(stages2, len(steps))
-    act = probe not in ("no_act", "mm_only")
-    norm = probe not in ("no_ln", "mm_only")
-
-    def load(ref, layout):
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
-
-    def cast(value, layout):
-        return value if interpret else plgpu.layout_cast(value, layout)
-
-    def body(x_g, wfc_g, w_g, vec_g, out_g, xe_s, vec_s, ring, bars, bar_fc, bar_w, bar_x):
-        wfc_r, (w_r, xr_r) = ring
-        pi, mi = lax.axis_index("p"), lax.axis_index("m")
-        rows = pl.ds(mi * tm, tm)
-        for k in range(nk):
-            plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(k * kc, kc)], xe_s.at[k],
-                                    bars.at[k])
-        for q in range(nv):
-            piece = pl.ds(q * 256, min(256, 5 * h - q * 256))
-            plgpu.copy_gmem_to_smem(vec_g.at[pi, piece], vec_s.at[piece], bars.at[nk + q])
-
-        def fetch_fc(k):
-            plgpu.copy_gmem_to_smem(wfc_g.at[pi, pl.ds(k * kc, kc)], wfc_r.at[k % s1_],
-                                    bar_fc.at[k % s1_])
-
-        for k in range(s1_):
-            fetch_fc(k)
-
-        def row_vec(start, n):
-            v = load(vec_s.at[pl.ds(start, n)], plgpu.Layout.WGMMA.reduce(0))
-            return lax.broadcast_in_dim(v, (tm, n), [1])
-
-        # 1. x W_fc, the ring refilled once the wgmma reading a slot has retired
-        def gemm1(acc_ref):
-            for k in range(nk + nv):
-                plgpu.barrier_wait(bars.at[k])
-            for k in range(nk):
-                plgpu.barrier_wait(bar_fc.at[k % s1_])
-                plgpu.wgmma(acc_ref, xe_s.at[k], wfc_r.at[k % s1_])
-                # a slot is refilled once the wgmma reading it has retired: the one before
-                # this step's (still in flight) with two slots or more, this step's with one
-                lag = min(1, s1_ - 1)
-                if k >= lag and k - lag + s1_ < nk:
-                    plgpu.wgmma_wait(lag)
-                    fetch_fc(k - lag + s1_)
-            return acc_ref[...]
-
-        acc = pl.run_scoped(gemm1, plgpu.ACC((tm, h), F32))
-
-        # the ring's bytes now hold W's blocks and x's column blocks: start them flying
-        def fetch_w(t):
-            j, k = steps[t]
-            for half in range(2):
-                plgpu.copy_gmem_to_smem(
-                    w_g.at[pi, pl.ds(k * kc, kc), pl.ds(half * h + j * kc, kc)],
-                    w_r.at[t % s2_, half], bar_w.at[t % s2_])
-
-        def fetch_x(j):
-            plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(j * kc, kc)], xr_r.at[j % 2],
-                                    bar_x.at[j % 2])
-
-        for t in range(s2_):
-            fetch_w(t)
-        for j in range(min(2, nk)):
-            fetch_x(j)
-
-        # 2. η over x's buffer (its wgmma reads have retired with the accumulator's read)
-        eta = eta_from_product(acc, row_vec(0, h), dt) if act else \
-            (acc + row_vec(0, h)).astype(dt)
-        for k in range(nk):
-            xe_s[k] = eta[:, k * kc:(k + 1) * kc]
-        plgpu.commit_smem()
-
-        # 3. per column block: g, v over the chunks of η; s_j in registers
-        s_blocks = []
-        s1 = s2 = cast(jnp.zeros((tm,), F32), plgpu.Layout.WGMMA.reduce(1))
-        for j in range(nk):
-            def mm(g_ref, v_ref, j=j):
-                for k in range(nk):
-                    t = j * nk + k
-                    plgpu.barrier_wait(bar_w.at[t % s2_])
-                    plgpu.wgmma(g_ref, xe_s.at[k], w_r.at[t % s2_, 0])
-                    plgpu.wgmma(v_ref, xe_s.at[k], w_r.at[t % s2_, 1])
-                    lag = min(1, s2_ - 1)  # as in phase 1; two wgmma groups per step
-                    if t >= lag and t - lag + s2_ < len(steps):
-                        plgpu.wgmma_wait(2 * lag)
-                        fetch_w(t - lag + s2_)
-                return g_ref[...], v_ref[...]
-
-            g, v = pl.run_scoped(mm, plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
-            plgpu.barrier_wait(bar_x.at[j % 2])
-            xj = load(xr_r.at[j % 2], plgpu.Layout.WGMMA).astype(F32)
-            if j + 2 < nk:
-                plgpu.commit_smem()  # the read done before TMA rewrites the slot
-                fetch_x(j + 2)
-            g = g.astype(dt).astype(F32) + row_vec(h + j * kc, kc)
-            v = v.astype(dt).astype(F32) + row_vec(2 * h + j * kc, kc)
-            s = xj + (v / (1.0 + jnp.exp(-g)) if act else v * g)
-            s_blocks.append(s)
-            s1, s2 = s1 + s.sum(axis=1), s2 + (s * s).sum(axis=1)
-
-        # 4. LayerNorm into x's buffer (η's wgmma reads retired with the last accumulator's)
-        mean = s1 / h
-        var = jnp.maximum(s2 / h - mean * mean, 0.0)
-        mean_b = lax.broadcast_in_dim(mean, (tm, kc), [0])
-        rstd_b = lax.broadcast_in_dim(lax.rsqrt(var + eps), (tm, kc), [0])
-        for j, s in enumerate(s_blocks):
-            out = (s - mean_b) * (rstd_b * row_vec(3 * h + j * kc, kc)) \
-                + row_vec(4 * h + j * kc, kc) if norm else s
-            xe_s[j] = out.astype(dt)
-        plgpu.commit_smem()
-        for j in range(nk):
-            plgpu.copy_smem_to_gmem(xe_s.at[j], out_g.at[pi, rows, pl.ds(j * kc, kc)])
-        plgpu.wait_smem_to_gmem(0)
-
-    ring = (plgpu.SMEM((s1_, kc, h), dt, transforms=tr),
-            [plgpu.SMEM((s2_, 2, kc, kc), dt, transforms=tr),
-             plgpu.SMEM((2, tm, kc), dt, transforms=tr)])
-    # the interpreter has no aliased refs; its separate buffers give the same values
-    ring = ring if interpret else plgpu.RefUnion(*ring)
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((p, m, h), dt),
-        grid=(p, m // tm),
-        grid_names=("p", "m"),
-        scratch_types={"xe_s": plgpu.SMEM((nk, tm, kc), dt, transforms=tr),
-                       "vec_s": plgpu.SMEM((5 * h,), F32),
-                       "ring": ring,
-                       "bars": plgpu.Barrier(num_barriers=nk + nv),
-                       "bar_fc": plgpu.Barrier(num_barriers=s1_),
-                       "bar_w": plgpu.Barrier(num_arrivals=2, num_barriers=s2_),
-                       "bar_x": plgpu.Barrier(num_barriers=2)},
-        compiler_params=plgpu.CompilerParams(approx_math=True) if approx else None,
-        interpret=_interpret_params() if interpret else None,
-    )
-    return kernel(x, w_fc.astype(dt), w.astype(dt), vec)
+    """The block with s in registers and ~100 KB of shared memory, two CTAs per SM: the
+    model's kernel (``jdqn.pallas.grn_block``, which describes it) with its settings open —
+    the rings' slots, the timing ``probe`` and ``approx`` (Mosaic GPU's approximate ``exp``,
+    which the model takes; the precise one by default here, as first measured)."""
+    return grn_block._kernel(x, w_fc, b_fc, w, b, scale, offset, eps=eps, stages=stages,
+                             stages2=stages2, probe=probe, approx=approx, interpret=interpret)

@@ -141,18 +141,31 @@ class GRNBlock(nn.Module):
     width: int
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
-    # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"); with a
-    # gradient, the kernel and its backward kernel under "grn_tail_grad" (float32 matmuls) or
-    # "grn_tail_grad_bf16" (bf16 matmuls), switches measured apart
+    # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"), or under
+    # bf16 matmuls the whole block jdqn.pallas.grn_block's ("grn_block_bf16"); with a
+    # gradient, the tail kernel and its backward kernel under "grn_tail_grad" (float32
+    # matmuls) or "grn_tail_grad_bf16" (bf16 matmuls), switches measured apart
     grad_free: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         md, impl = self.matmul_dtype, self.impl
+        hi = jax.lax.Precision.HIGHEST  # parameter-sized products: exact float32
+        if self.grad_free and md == "bfloat16" and use_pallas(impl, "grn_block_bf16"):
+            from jdqn.pallas import grn_block, grn_tail
+
+            if grn_block.eligible(x, self.width):  # the whole block: one Mosaic GPU kernel
+                w_fc, b_fc = DenseParams(x.shape[-1], self.width, name="fc_elu")()
+                w1, b1 = DenseParams(self.width, self.width, name="fc")()
+                w45, b45 = DenseParams(self.width, 2 * self.width, name="glu")()
+                scale, offset = _LayerNormParams(x.shape[-1], name="norm")()
+                return grn_block.grn_block(
+                    x, w_fc, b_fc, jnp.dot(w1, w45, precision=hi),
+                    jnp.dot(b1, w45, precision=hi) + b45, scale, offset, grn_tail.EPSILON,
+                    jax.default_backend() != "gpu")
         eta2 = nn.elu(dense(x, self.width, md, "fc_elu", impl=impl))
         w1, b1 = DenseParams(eta2.shape[-1], self.width, name="fc")()
         w45, b45 = DenseParams(self.width, 2 * self.width, name="glu")()
-        hi = jax.lax.Precision.HIGHEST  # parameter-sized products: exact float32
         w = jnp.dot(w1, w45, precision=hi)  # [H, 2H]
         b = jnp.dot(b1, w45, precision=hi) + b45
         product = matmul(eta2, w, md, act_dtype(md, eta2))

@@ -84,6 +84,13 @@ Kernels in this version:
   (float32) and 2.474–2.490 against 2.491–2.501 in another call; bf16 1.723–1.731 against
   1.743–1.757.
 
+* :func:`jdqn.pallas.grn_block.grn_block` — a whole GRN block's grad-free forward (both
+  GEMMs, the ELU, the GLU, the residual and the LayerNorm) as one Mosaic GPU kernel (TMA,
+  wgmma; sm_90, bf16 matmuls: ``"grn_block_bf16"``), η and the GLU product kept on chip; with
+  a batching rule that folds vmapped parameter sets into one launch. The oracle is the block
+  with its tail kernel (to bf16 rounding). Measured on the H100: 39.3 vs 49.8 µs alone for one
+  parameter set at B = 16384.
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".

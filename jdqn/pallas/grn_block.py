@@ -1,0 +1,291 @@
+"""Mosaic GPU kernel: a whole GRN block's grad-free forward in one pass (bf16, Hopper).
+
+A GRN block (:class:`jdqn.networks.trunk.GRNBlock`) with its two linear layers folded is::
+
+    η   = ELU(x W_fc + b_fc)                 [M, H]
+    y   = η W + b                            [M, 2H]   (W = W1·W45, b its bias)
+    out = LayerNorm(x + σ(y_g) ⊙ y_v)         [M, H]
+
+XLA runs that as two cuBLAS GEMMs with the bias + ELU fused after the first, and the tail as
+:mod:`jdqn.pallas.grn_tail`'s kernel: η and y go to memory and come back. This kernel reads
+``x`` and writes ``out`` once per tile of 64 rows; η, y and the pre-norm sum s never leave the
+SM. Written in Pallas' Mosaic GPU dialect (TMA copies, warpgroup MMA: sm_90), bf16 only
+(wgmma's float32 path is TF32 with K-major operands; the model's weights are not). Per CTA one
+warpgroup and 64 rows, ~100 KB of shared memory so that two CTAs share an SM and each one's
+waits hide behind the other's work:
+
+1. TMA: the vectors (``b_fc | b | scale | offset``, float32) and the ``x`` tile (``H / 64``
+   column chunks, 128-byte swizzle); ``W_fc`` by ``[64, H]`` row chunks through a
+   ``stages``-slot ring; x W_fc accumulated by wgmma in registers (float32).
+2. η with the model's roundings (:func:`eta_from_product`: the product, the bias add and the
+   ELU each stored as bf16) written over ``x``'s buffer, the A operand of the products below.
+3. ``W``'s gate and value halves as ``[64, 64]`` blocks, column block j by contraction chunk
+   k, through a ``stages2``-slot ring in the same bytes as ``W_fc``'s (a ``RefUnion``), with
+   ``x``'s column blocks beside them for the residual; per column block g and v rounded to
+   bf16 (the model stores the product so), ``s_j = x_j + (v + b_v)·σ(g + b_g)`` kept in
+   registers (float32) with its row sums of s and s².
+4. The LayerNorm from those sums (flax's ``E[s²] − E[s]²``), scaled and offset, into ``x``'s
+   buffer again, stored by TMA.
+
+The loops are unrolled (s's column blocks are separate register values; 255 registers a thread
+at H = 256, no spills at the default rings). A ring's slot is refilled once the wgmma reading
+it has retired. ``exp`` is Mosaic GPU's approximate one (``ex2.approx`` of ``x·log2 e``, as
+Triton's ``exp`` in the tail kernel); the division is IEEE.
+
+The oracle is the model's block (:class:`jdqn.networks.trunk.GRNBlock` with ``impl = "xla"``
+or its tail kernel); off the GPU the kernel runs in JAX's GPU interpreter (tests). The results
+agree to bf16 rounding, not bitwise: on the H100/H200 14.6 % of the elements differ from the
+model's GPU path in their last bit (max 0.031 at values up to ~6), the float32 order of the row
+sums and the exp/division instructions differing from XLA's and Triton's; the kernel's own
+results are bitwise repeatable. Shapes: ``H`` a multiple of 64, ``M`` a multiple of 64
+(:func:`eligible`; the block falls back to XLA's path otherwise). Any number of parameter sets
+at once (``[P, M, H]``): under ``vmap`` (the trainer's seeds, the twin forward's pair) the
+batch axes become that leading axis (:func:`grn_block`'s batching rule), one launch.
+
+Measured on the H100 (B = 16384, H = 256, ``bench/fused_grn.py --mgpu-rs``): one parameter
+set 39.3 µs against 49.8 for XLA's path, the pair 73.7 against 96.5; with the precise ``exp``
+43.9 and 85.4. The network takes it under ``"grn_block_bf16"`` (:data:`jdqn.pallas.GPU_VALIDATED`
+where measured faster in the update; ``docs/model.md``, "Kernels").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+F32 = jnp.float32
+ROWS = 64  # one warpgroup's wgmma tile
+CHUNK = 64  # 128 bytes of bf16: the swizzle every block shares
+PROBES = ("", "no_act", "no_ln", "mm_only")  # timing probes (bench/fused_grn.py), wrong values
+
+
+def _elu(z):
+    return jnp.where(z > 0, z, jnp.exp(jnp.minimum(z, 0.0)) - 1.0)
+
+
+def eta_from_product(acc: Array, b_fc: Array, dt) -> Array:
+    """η from the first layer's float32 product as the model forms it under ``dt``: the
+    product stored in ``dt``, the bias added in float32 and rounded to ``dt``
+    (``jdqn.networks.trunk.add_bias``), the ELU of that stored in ``dt`` (no-ops in float32)."""
+    z = (acc.astype(dt).astype(F32) + b_fc).astype(dt).astype(F32)
+    return _elu(z).astype(dt)
+
+
+def eligible(x: Array, width: int) -> bool:
+    """Whether the kernel takes the block's input: bf16 ``x [M, width]`` with M and the
+    width multiples of 64."""
+    return (x.ndim == 2 and x.dtype == jnp.bfloat16 and x.shape[-1] == width
+            and x.shape[0] % ROWS == 0 and width % CHUNK == 0 and width > 0)
+
+
+def _transforms(cols: int, dtype) -> tuple:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    width = cols * jnp.dtype(dtype).itemsize
+    swizzle = min(128, width)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
+            stages2: int = 3, probe: str = "", approx: bool = True, interpret: bool = False):
+    """The block for ``P`` parameter sets at once: ``x [P, M, H]`` bf16, ``w_fc [P, H, H]``,
+    ``w [P, H, 2H]`` (cast to bf16), the vectors ``[P, ·]`` (float32) → ``[P, M, H]`` bf16.
+    ``stages``/``stages2``: the rings' slots for ``W_fc``'s chunks and ``W``'s blocks (2 and 3
+    keep two CTAs on an SM at H = 256). ``probe`` (timing only, wrong values): ``"no_act"``
+    drops the ELU's and the gate's ``exp`` (η = z, σ(g) → g), ``"no_ln"`` writes s
+    unnormalised, ``"mm_only"`` both. ``approx=False``: the precise ``exp``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    p, m, h = x.shape
+    dt, tm, kc = x.dtype, ROWS, CHUNK
+    if dt != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU block runs bf16 only, not {dt}")
+    if h % kc or m % tm or not h:
+        raise ValueError(f"shape M={m}, h={h} does not tile by tm={tm} and 64")
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
+    if stages < 1 or stages2 < 1:
+        raise ValueError(f"stages = {stages}, stages2 = {stages2}: rings are 1 slot or more")
+    nk = h // kc
+    nv = -(-5 * h // 256)
+    vec = jnp.concatenate([b_fc, b, scale, offset], axis=-1).astype(F32)
+    tr = _transforms(kc, dt)
+    s1_ = min(stages, nk)
+    steps = [(j, k) for j in range(nk) for k in range(nk)]  # phase 3: column block, chunk
+    s2_ = min(stages2, len(steps))
+    act = probe not in ("no_act", "mm_only")
+    norm = probe not in ("no_ln", "mm_only")
+
+    def load(ref, layout):
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def cast(value, layout):
+        return value if interpret else plgpu.layout_cast(value, layout)
+
+    def body(x_g, wfc_g, w_g, vec_g, out_g, xe_s, vec_s, ring, bars, bar_fc, bar_w, bar_x):
+        wfc_r, (w_r, xr_r) = ring
+        pi, mi = lax.axis_index("p"), lax.axis_index("m")
+        rows = pl.ds(mi * tm, tm)
+        for k in range(nk):
+            plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(k * kc, kc)], xe_s.at[k],
+                                    bars.at[k])
+        for q in range(nv):
+            piece = pl.ds(q * 256, min(256, 5 * h - q * 256))
+            plgpu.copy_gmem_to_smem(vec_g.at[pi, piece], vec_s.at[piece], bars.at[nk + q])
+
+        def fetch_fc(k):
+            plgpu.copy_gmem_to_smem(wfc_g.at[pi, pl.ds(k * kc, kc)], wfc_r.at[k % s1_],
+                                    bar_fc.at[k % s1_])
+
+        for k in range(s1_):
+            fetch_fc(k)
+
+        def row_vec(start, n):
+            v = load(vec_s.at[pl.ds(start, n)], plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(v, (tm, n), [1])
+
+        # 1. x W_fc, the ring refilled once the wgmma reading a slot has retired
+        def gemm1(acc_ref):
+            for k in range(nk + nv):
+                plgpu.barrier_wait(bars.at[k])
+            for k in range(nk):
+                plgpu.barrier_wait(bar_fc.at[k % s1_])
+                plgpu.wgmma(acc_ref, xe_s.at[k], wfc_r.at[k % s1_])
+                # a slot is refilled once the wgmma reading it has retired: the one before
+                # this step's (still in flight) with two slots or more, this step's with one
+                lag = min(1, s1_ - 1)
+                if k >= lag and k - lag + s1_ < nk:
+                    plgpu.wgmma_wait(lag)
+                    fetch_fc(k - lag + s1_)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(gemm1, plgpu.ACC((tm, h), F32))
+
+        # the ring's bytes now hold W's blocks and x's column blocks: start them flying
+        def fetch_w(t):
+            j, k = steps[t]
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(
+                    w_g.at[pi, pl.ds(k * kc, kc), pl.ds(half * h + j * kc, kc)],
+                    w_r.at[t % s2_, half], bar_w.at[t % s2_])
+
+        def fetch_x(j):
+            plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(j * kc, kc)], xr_r.at[j % 2],
+                                    bar_x.at[j % 2])
+
+        for t in range(s2_):
+            fetch_w(t)
+        for j in range(min(2, nk)):
+            fetch_x(j)
+
+        # 2. η over x's buffer (its wgmma reads have retired with the accumulator's read)
+        eta = eta_from_product(acc, row_vec(0, h), dt) if act else \
+            (acc + row_vec(0, h)).astype(dt)
+        for k in range(nk):
+            xe_s[k] = eta[:, k * kc:(k + 1) * kc]
+        plgpu.commit_smem()
+
+        # 3. per column block: g, v over the chunks of η; s_j in registers
+        s_blocks = []
+        s1 = s2 = cast(jnp.zeros((tm,), F32), plgpu.Layout.WGMMA.reduce(1))
+        for j in range(nk):
+            def mm(g_ref, v_ref, j=j):
+                for k in range(nk):
+                    t = j * nk + k
+                    plgpu.barrier_wait(bar_w.at[t % s2_])
+                    plgpu.wgmma(g_ref, xe_s.at[k], w_r.at[t % s2_, 0])
+                    plgpu.wgmma(v_ref, xe_s.at[k], w_r.at[t % s2_, 1])
+                    lag = min(1, s2_ - 1)  # as in phase 1; two wgmma groups per step
+                    if t >= lag and t - lag + s2_ < len(steps):
+                        plgpu.wgmma_wait(2 * lag)
+                        fetch_w(t - lag + s2_)
+                return g_ref[...], v_ref[...]
+
+            g, v = pl.run_scoped(mm, plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
+            plgpu.barrier_wait(bar_x.at[j % 2])
+            xj = load(xr_r.at[j % 2], plgpu.Layout.WGMMA).astype(F32)
+            if j + 2 < nk:
+                plgpu.commit_smem()  # the read done before TMA rewrites the slot
+                fetch_x(j + 2)
+            g = g.astype(dt).astype(F32) + row_vec(h + j * kc, kc)
+            v = v.astype(dt).astype(F32) + row_vec(2 * h + j * kc, kc)
+            s = xj + (v / (1.0 + jnp.exp(-g)) if act else v * g)
+            s_blocks.append(s)
+            s1, s2 = s1 + s.sum(axis=1), s2 + (s * s).sum(axis=1)
+
+        # 4. LayerNorm into x's buffer (η's wgmma reads retired with the last accumulator's)
+        mean = s1 / h
+        var = jnp.maximum(s2 / h - mean * mean, 0.0)
+        mean_b = lax.broadcast_in_dim(mean, (tm, kc), [0])
+        rstd_b = lax.broadcast_in_dim(lax.rsqrt(var + eps), (tm, kc), [0])
+        for j, s in enumerate(s_blocks):
+            out = (s - mean_b) * (rstd_b * row_vec(3 * h + j * kc, kc)) \
+                + row_vec(4 * h + j * kc, kc) if norm else s
+            xe_s[j] = out.astype(dt)
+        plgpu.commit_smem()
+        for j in range(nk):
+            plgpu.copy_smem_to_gmem(xe_s.at[j], out_g.at[pi, rows, pl.ds(j * kc, kc)])
+        plgpu.wait_smem_to_gmem(0)
+
+    ring = (plgpu.SMEM((s1_, kc, h), dt, transforms=tr),
+            [plgpu.SMEM((s2_, 2, kc, kc), dt, transforms=tr),
+             plgpu.SMEM((2, tm, kc), dt, transforms=tr)])
+    # the interpreter has no aliased refs; its separate buffers give the same values
+    ring = ring if interpret else plgpu.RefUnion(*ring)
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((p, m, h), dt),
+        grid=(p, m // tm),
+        grid_names=("p", "m"),
+        scratch_types={"xe_s": plgpu.SMEM((nk, tm, kc), dt, transforms=tr),
+                       "vec_s": plgpu.SMEM((5 * h,), F32),
+                       "ring": ring,
+                       "bars": plgpu.Barrier(num_barriers=nk + nv),
+                       "bar_fc": plgpu.Barrier(num_barriers=s1_),
+                       "bar_w": plgpu.Barrier(num_arrivals=2, num_barriers=s2_),
+                       "bar_x": plgpu.Barrier(num_barriers=2)},
+        compiler_params=plgpu.CompilerParams(approx_math=True) if approx else None,
+        interpret=_interpret_params() if interpret else None,
+    )
+    return kernel(x, w_fc.astype(dt), w.astype(dt), vec)
+
+
+@functools.cache
+def _batched(eps: float, interpret: bool):
+    """The kernel over a leading axis of parameter sets, as a ``custom_vmap`` whose rule
+    folds each further batch axis into that one (one launch for seeds × pair)."""
+
+    @jax.custom_batching.custom_vmap
+    def run(x, w_fc, b_fc, w, b, scale, offset):
+        return _kernel(x, w_fc, b_fc, w, b, scale, offset, eps=eps, interpret=interpret)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, batched in zip(args, in_batched)]
+        p = args[0].shape[1]
+        out = run(*(a.reshape(axis_size * p, *a.shape[2:]) for a in args))
+        return out.reshape(axis_size, p, *out.shape[1:]), True
+
+    return run
+
+
+def grn_block(x: Array, w_fc: Array, b_fc: Array, w: Array, b: Array, scale: Array,
+              offset: Array, eps: float, interpret: bool = False) -> Array:
+    """The grad-free block ``x [M, H]`` (bf16) → ``[M, H]`` bf16: ``w_fc [H, H]``,
+    ``b_fc [H]``, the folded ``w [H, 2H]`` and ``b [2H]``, the LayerNorm's ``scale`` and
+    ``offset`` [H] (float32). Check :func:`eligible` first. Under ``vmap`` the batch axes
+    become the kernel's parameter-set axis. No gradient (not differentiable)."""
+    run = _batched(float(eps), bool(interpret))
+    return run(*(a[None] for a in (x, w_fc, b_fc, w, b, scale, offset)))[0]

@@ -1,0 +1,131 @@
+"""The whole-block Mosaic GPU kernel of a grad-free GRN block (jdqn.pallas.grn_block), in
+JAX's GPU interpreter: the model's block to bf16 rounding, its batching rule, the network's
+switch ("grn_block_bf16") and its eligibility."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+
+from jdqn.config import ModelConfig
+from jdqn.networks.model import BranchingQNetwork, init_params
+from jdqn.networks.trunk import GRNBlock
+from jdqn.pallas import grn_block, grn_tail
+
+
+def _block_args(seed: int, m: int = 64, h: int = 128):
+    """A GRNBlock's input and parameters (perturbed from their initialisation, so the biases,
+    scale and offset are not trivial) in the kernel's argument order."""
+    block = GRNBlock(width=h, matmul_dtype="bfloat16", impl="xla")
+    x = jax.random.normal(jax.random.key(seed + 7), (m, h)).astype(jnp.bfloat16)
+    params = block.init(jax.random.key(seed), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(seed + 2),
+                                                                p.shape), params)
+    w = params["fc"]["kernel"] @ params["glu"]["kernel"]
+    b = params["fc"]["bias"] @ params["glu"]["kernel"] + params["glu"]["bias"]
+    return params, (x, params["fc_elu"]["kernel"], params["fc_elu"]["bias"], w, b,
+                    params["norm"]["scale"], params["norm"]["bias"])
+
+
+def _tail_path(x, w_fc, b_fc, w, b, scale, offset):
+    """The model's grad-free block before this kernel: XLA's GEMMs with the model's roundings
+    and the tail kernel (in Pallas' interpreter)."""
+    eta = grn_block.eta_from_product(jnp.dot(x, w_fc.astype(jnp.bfloat16),
+                                             preferred_element_type=jnp.float32), b_fc,
+                                     jnp.bfloat16)
+    y = jnp.dot(eta, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return grn_tail.grn_tail(y.astype(jnp.bfloat16), b, x, scale, offset, grn_tail.EPSILON,
+                             True)
+
+
+def _f32(a):
+    return np.asarray(a.astype(jnp.float32))
+
+
+def test_the_kernel_is_the_models_block_to_bf16_rounding_and_batches_its_parameter_sets():
+    """Two parameter sets and inputs under vmap (one launch over the kernel's set axis): each
+    equals the block with its tail kernel but for rare last bits (a changed rounding, epsilon
+    or normalisation moves percents of the elements), and equals the kernel run on that set
+    alone bit for bit; x shared by the sets (vmap without x's axis) and nested vmaps give the
+    same bits."""
+    sets = [_block_args(s)[1] for s in (0, 3)]
+    stacked = [jnp.stack(a) for a in zip(*sets, strict=True)]
+    run = jax.vmap(lambda *a: grn_block.grn_block(*a, grn_tail.EPSILON, True))
+    got = _f32(run(*stacked))
+    for i, args in enumerate(sets):
+        want = _f32(_tail_path(*args))
+        assert np.abs(got[i] - want).max() <= 1 / 32, i
+        assert np.mean(got[i] != want) <= 1e-3, i
+        np.testing.assert_array_equal(got[i], _f32(grn_block.grn_block(*args, grn_tail.EPSILON,
+                                                                        True)))
+    assert np.abs(got[0] - got[1]).max() > 0.5  # each set its own parameters
+    shared = jax.vmap(lambda x, *p: grn_block.grn_block(x, *p, grn_tail.EPSILON, True),
+                      in_axes=(None, 0, 0, 0, 0, 0, 0))(sets[0][0], *stacked[1:])
+    np.testing.assert_array_equal(_f32(shared)[0], got[0])
+    one = _f32(grn_block.grn_block(sets[0][0], *sets[1][1:], grn_tail.EPSILON, True))
+    np.testing.assert_array_equal(_f32(shared)[1], one)
+    nested = jax.vmap(run)(*(jnp.stack([a, a[::-1]]) for a in stacked))
+    np.testing.assert_array_equal(_f32(nested)[0], got)
+    np.testing.assert_array_equal(_f32(nested)[1], got[::-1])
+
+
+def test_only_bf16_inputs_in_whole_tiles_are_eligible():
+    x = jnp.zeros((128, 64), jnp.bfloat16)
+    assert grn_block.eligible(x, 64)
+    assert not grn_block.eligible(x.astype(jnp.float32), 64)  # float32: the tail kernel
+    assert not grn_block.eligible(x[:96], 64)  # rows: not whole tiles of 64
+    assert not grn_block.eligible(jnp.zeros((128, 96), jnp.bfloat16), 96)  # width
+    assert not grn_block.eligible(x, 128)  # the residual's width differs
+    assert not grn_block.eligible(x[None], 64)
+    with pytest.raises(ValueError, match="does not tile"):
+        grn_block.grn_block(x[:96], *_block_args(0, 64, 64)[1][1:], grn_tail.EPSILON, True)
+    with pytest.raises(ValueError, match="bf16 only"):
+        grn_block.grn_block(x.astype(jnp.float32), *_block_args(0, 64, 64)[1][1:],
+                            grn_tail.EPSILON, True)
+
+
+@pytest.mark.parametrize("rows,width,used", [(64, 64, True), (40, 64, False),
+                                             (64, 32, False)])
+def test_the_grad_free_bf16_network_runs_each_grn_block_as_the_kernel(monkeypatch, rows, width,
+                                                                      used):
+    """``impl = "pallas"`` with only this switch on: a grad-free bf16 forward runs one kernel
+    per GRN block where the block's input tiles (else XLA's path), the same parameters as the
+    XLA network and its values to bf16 rounding; the differentiated forward and float32
+    matmuls run none."""
+    from helpers import pallas_kernel_names
+
+    from jdqn.networks import trunk as trunk_module
+
+    calls = []
+    real = grn_block.grn_block
+    monkeypatch.setattr(grn_block, "grn_block", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(trunk_module, "use_pallas",
+                        lambda impl, kernel: impl == "pallas" and kernel == "grn_block_bf16")
+    cfg = ModelConfig(width=width, n_grn_blocks=2, n_experts=3, expert_hidden=8,
+                      gate_hidden=8, head_hidden=16, n_atoms=11, iqn=False,
+                      matmul_dtype="bfloat16")
+    obs = jax.random.normal(jax.random.key(1), (rows, 24))
+    xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
+    params = init_params(xla_net, jax.random.key(0), 24)
+    assert jax.tree.structure(init_params(net, jax.random.key(0), 24)) == \
+        jax.tree.structure(params)
+    got = net.apply(params, obs, grad_free=True)
+    assert calls == ([(rows, width)] * 2 if used else [])
+    want = xla_net.apply(params, obs)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(_f32(got.features), _f32(want.features), rtol=3e-2, atol=3e-2)
+    calls.clear()
+    net.apply(params, obs)  # differentiated forward
+    f32 = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas", matmul_dtype="float32"))
+    f32.apply(params, obs, grad_free=True)
+    assert calls == []
+    jaxpr = jax.make_jaxpr(lambda p: net.apply(p, obs, grad_free=True).logits)(params).jaxpr
+    assert "grn_tail" not in pallas_kernel_names(jaxpr)
