@@ -129,3 +129,21 @@ def test_the_grad_free_bf16_network_runs_each_grn_block_as_the_kernel(monkeypatc
     assert calls == []
     jaxpr = jax.make_jaxpr(lambda p: net.apply(p, obs, grad_free=True).logits)(params).jaxpr
     assert "grn_tail" not in pallas_kernel_names(jaxpr)
+    monkeypatch.setattr(grn_block, "device_supported", lambda: False)  # not a Hopper GPU
+    net.apply(params, obs, grad_free=True)
+    assert calls == []
+
+
+def test_the_kernel_runs_on_hopper_gpus_only(monkeypatch):
+    """wgmma and TMA as sm_90a has them: a GPU of compute capability 9.x takes the kernel, an
+    Ampere (a Colab A100), Ada or Blackwell one XLA's path; off the GPU the interpreter."""
+    assert grn_block.device_supported()  # the CPU: the interpreter
+
+    class Device:
+        def __init__(self, cc):
+            self.compute_capability = cc
+
+    monkeypatch.setattr(grn_block.jax, "default_backend", lambda: "gpu")
+    for cc, ok in (("9.0", True), ("8.0", False), ("8.9", False), ("10.0", False)):
+        monkeypatch.setattr(grn_block.jax, "devices", lambda cc=cc: [Device(cc)])
+        assert grn_block.device_supported() is ok, cc

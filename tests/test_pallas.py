@@ -143,7 +143,7 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
     faster = ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail",
               "iqn_tail_grad", "moe_gate_grad", "per_sums", "iqn_tail_bf16",
-              "iqn_tail_grad_bf16", "grn_tail_grad_bf16")
+              "iqn_tail_grad_bf16", "grn_tail_grad_bf16", "grn_block_bf16")
     assert pallas.GPU_VALIDATED == frozenset(faster)
     for kernel in faster:
         assert pallas.use_pallas("auto", kernel)

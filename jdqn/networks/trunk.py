@@ -154,7 +154,8 @@ class GRNBlock(nn.Module):
         if self.grad_free and md == "bfloat16" and use_pallas(impl, "grn_block_bf16"):
             from jdqn.pallas import grn_block, grn_tail
 
-            if grn_block.eligible(x, self.width):  # the whole block: one Mosaic GPU kernel
+            # the whole block: one Mosaic GPU kernel (Hopper only)
+            if grn_block.eligible(x, self.width) and grn_block.device_supported():
                 w_fc, b_fc = DenseParams(x.shape[-1], self.width, name="fc_elu")()
                 w1, b1 = DenseParams(self.width, self.width, name="fc")()
                 w45, b45 = DenseParams(self.width, 2 * self.width, name="glu")()

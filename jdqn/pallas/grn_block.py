@@ -38,14 +38,17 @@ agree to bf16 rounding, not bitwise: on the H100/H200 14.6 % of the elements dif
 model's GPU path in their last bit (max 0.031 at values up to ~6), the float32 order of the row
 sums and the exp/division instructions differing from XLA's and Triton's; the kernel's own
 results are bitwise repeatable. Shapes: ``H`` a multiple of 64, ``M`` a multiple of 64
-(:func:`eligible`; the block falls back to XLA's path otherwise). Any number of parameter sets
+(:func:`eligible`), on a Hopper GPU (:func:`device_supported`); the block falls back to
+XLA's path otherwise. Any number of parameter sets
 at once (``[P, M, H]``): under ``vmap`` (the trainer's seeds, the twin forward's pair) the
 batch axes become that leading axis (:func:`grn_block`'s batching rule), one launch.
 
 Measured on the H100 (B = 16384, H = 256, ``bench/fused_grn.py --mgpu-rs``): one parameter
 set 39.3 µs against 49.8 for XLA's path, the pair 73.7 against 96.5; with the precise ``exp``
-43.9 and 85.4. The network takes it under ``"grn_block_bf16"`` (:data:`jdqn.pallas.GPU_VALIDATED`
-where measured faster in the update; ``docs/model.md``, "Kernels").
+43.9 and 85.4. The network takes it under ``"grn_block_bf16"`` in grad-free forwards under bf16
+matmuls (:data:`jdqn.pallas.GPU_VALIDATED`): the update at B = 16384 (its four grad-free blocks,
+the online and target networks' two at s′) 1.830–1.842 against 1.871–1.878 ms on the H100
+(``bench/ab.py``, three alternated rounds; ``docs/model.md``, "Kernels").
 """
 
 from __future__ import annotations
@@ -80,6 +83,15 @@ def eligible(x: Array, width: int) -> bool:
     width multiples of 64."""
     return (x.ndim == 2 and x.dtype == jnp.bfloat16 and x.shape[-1] == width
             and x.shape[0] % ROWS == 0 and width % CHUNK == 0 and width > 0)
+
+
+def device_supported() -> bool:
+    """Whether the kernel can run here: on a Hopper GPU (compute capability 9.x: wgmma and
+    TMA as sm_90a has them; not Ampere, Ada or Blackwell), or off the GPU in JAX's GPU
+    interpreter. Elsewhere (a Colab T4 or A100, say) the block takes XLA's path."""
+    if jax.default_backend() != "gpu":
+        return True
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
 def _transforms(cols: int, dtype) -> tuple:
