@@ -48,7 +48,8 @@ set 39.3 µs against 49.8 for XLA's path, the pair 73.7 against 96.5; with the p
 43.9 and 85.4. The network takes it under ``"grn_block_bf16"`` in grad-free forwards under bf16
 matmuls (:data:`jdqn.pallas.GPU_VALIDATED`): the update at B = 16384 (its four grad-free blocks,
 the online and target networks' two at s′) 1.830–1.842 against 1.871–1.878 ms on the H100
-(``bench/ab.py``, three alternated rounds; ``docs/model.md``, "Kernels").
+(``bench/ab.py``, three alternated rounds; ``docs/model.md``, "Kernels"); two bf16 ``gpu.toml``
+runs with it bitwise identical (``determinism_h100_bf16_grn_block.json``).
 """
 
 from __future__ import annotations
