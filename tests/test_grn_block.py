@@ -83,6 +83,10 @@ def test_only_bf16_inputs_in_whole_tiles_are_eligible():
     assert not grn_block.eligible(jnp.zeros((128, 96), jnp.bfloat16), 96)  # width
     assert not grn_block.eligible(x, 128)  # the residual's width differs
     assert not grn_block.eligible(x[None], 64)
+    assert not grn_block.eligible(x[:0], 64)  # an empty batch: XLA's path
+    for width in (320, 512):  # wider than one wgmma's N = 256: does not lower
+        assert not grn_block.eligible(jnp.zeros((64, width), jnp.bfloat16), width)
+    assert grn_block.eligible(jnp.zeros((64, 256), jnp.bfloat16), 256)
     with pytest.raises(ValueError, match="does not tile"):
         grn_block.grn_block(x[:96], *_block_args(0, 64, 64)[1][1:], grn_tail.EPSILON, True)
     with pytest.raises(ValueError, match="bf16 only"):

@@ -34,10 +34,10 @@ Triton's ``exp`` in the tail kernel); the division is IEEE.
 
 The oracle is the model's block (:class:`jdqn.networks.trunk.GRNBlock` with ``impl = "xla"``
 or its tail kernel); off the GPU the kernel runs in JAX's GPU interpreter (tests). The results
-agree to bf16 rounding, not bitwise: on the H100/H200 14.6 % of the elements differ from the
+agree to bf16 rounding, not bitwise: on the H100 14.6 % of the elements differ from the
 model's GPU path in their last bit (max 0.031 at values up to ~6), the float32 order of the row
 sums and the exp/division instructions differing from XLA's and Triton's; the kernel's own
-results are bitwise repeatable. Shapes: ``H`` a multiple of 64, ``M`` a multiple of 64
+results are bitwise repeatable. Shapes: ``H`` 64 to 256 by 64, ``M`` a positive multiple of 64
 (:func:`eligible`), on a Hopper GPU (:func:`device_supported`); the block falls back to
 XLA's path otherwise. Any number of parameter sets
 at once (``[P, M, H]``): under ``vmap`` (the trainer's seeds, the twin forward's pair) the
@@ -64,6 +64,7 @@ Array = jax.Array
 F32 = jnp.float32
 ROWS = 64  # one warpgroup's wgmma tile
 CHUNK = 64  # 128 bytes of bf16: the swizzle every block shares
+MAX_WIDTH = 256  # wgmma's largest N (the first product's full width)
 PROBES = ("", "no_act", "no_ln", "mm_only")  # timing probes (bench/fused_grn.py), wrong values
 
 
@@ -80,10 +81,12 @@ def eta_from_product(acc: Array, b_fc: Array, dt) -> Array:
 
 
 def eligible(x: Array, width: int) -> bool:
-    """Whether the kernel takes the block's input: bf16 ``x [M, width]`` with M and the
-    width multiples of 64."""
+    """Whether the kernel takes the block's input: bf16 ``x [M, width]`` with M a positive
+    multiple of 64 and the width 64, 128, 192 or 256 (the first product is one wgmma N = width
+    wide, at most 256; wider fails to lower)."""
     return (x.ndim == 2 and x.dtype == jnp.bfloat16 and x.shape[-1] == width
-            and x.shape[0] % ROWS == 0 and width % CHUNK == 0 and width > 0)
+            and x.shape[0] > 0 and x.shape[0] % ROWS == 0 and width % CHUNK == 0
+            and CHUNK <= width <= MAX_WIDTH)
 
 
 def device_supported() -> bool:
