@@ -5,6 +5,7 @@ switch ("grn_block_bf16") and its eligibility."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +119,6 @@ def test_the_grad_free_bf16_network_runs_each_grn_block_as_the_kernel(monkeypatc
     xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
     net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
     params = init_params(xla_net, jax.random.key(0), 24)
-    assert jax.tree.structure(init_params(net, jax.random.key(0), 24)) == \
-        jax.tree.structure(params)
     got = net.apply(params, obs, grad_free=True)
     assert calls == ([(rows, width)] * 2 if used else [])
     want = xla_net.apply(params, obs)
@@ -152,3 +151,96 @@ def test_the_kernel_runs_on_hopper_gpus_only(monkeypatch):
     for cc, ok in (("9.0", True), ("8.0", False), ("8.9", False), ("10.0", False)):
         monkeypatch.setattr(grn_block.jax, "devices", lambda cc=cc: [Device(cc)])
         assert grn_block.device_supported() is ok, cc
+
+
+def test_the_kernel_branch_creates_the_xla_blocks_parameters(monkeypatch):
+    """A grad-free bf16 block initialised through the kernel's branch (its input tiles) has
+    the XLA block's parameters: the same names, shapes, dtypes and values."""
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas",
+                        lambda impl, kernel: impl == "pallas" and kernel == "grn_block_bf16")
+    calls = []
+    real = grn_block.grn_block
+    monkeypatch.setattr(grn_block, "grn_block", lambda *a: calls.append(1) or real(*a))
+    x = jax.random.normal(jax.random.key(3), (64, 64)).astype(jnp.bfloat16)
+    kw = {"width": 64, "matmul_dtype": "bfloat16", "grad_free": True}
+    got = GRNBlock(impl="pallas", **kw).init(jax.random.key(0), x)
+    assert calls == [1]  # the kernel's branch ran
+    want = GRNBlock(impl="xla", **kw).init(jax.random.key(0), x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_gradient_through_the_kernel_is_refused_by_name_and_stop_gradient_passes():
+    """The kernel has no derivative: a gradient with respect to its input or a weight raises
+    naming it, rather than JAX's generic error from inside the kernel; inputs under
+    stop_gradient (how the model's grad-free forwards reach it) differentiate to zero."""
+    args = _block_args(0, 64, 64)[1]
+    block = functools.partial(grn_block.grn_block, eps=grn_tail.EPSILON, interpret=True)
+    with pytest.raises(TypeError, match="grn_block: the whole-block kernel has no derivative"):
+        jax.grad(lambda x: block(x, *args[1:]).astype(jnp.float32).sum())(args[0])
+    with pytest.raises(TypeError, match="no derivative"):
+        jax.grad(lambda w: block(args[0], args[1], args[2], w, *args[4:])
+                 .astype(jnp.float32).sum())(args[3])
+    frozen = jax.grad(lambda w: (block(*jax.lax.stop_gradient(args[:3]),
+                                       jax.lax.stop_gradient(w), *args[4:])
+                                 .astype(jnp.float32).sum() + w.sum()))(args[3])
+    np.testing.assert_array_equal(frozen, np.ones_like(args[3]))
+
+
+@pytest.mark.parametrize("fuse_next_obs,seeds", [(False, 0), (False, 2), (True, 2)])
+def test_the_update_loss_runs_the_kernel_in_the_grad_free_forwards_at_s_prime(
+        monkeypatch, fuse_next_obs, seeds):
+    """The trainer's loss and its gradient under bf16 matmuls, width 64 and a batch of 64
+    (whole tiles) with only ``"grn_block_bf16"`` on: as ``gpu.toml`` runs it
+    (``fuse_next_obs = false``), the online and target forwards at s′ run the kernel once per
+    block each (four blocks); with the [s; s′] forward, the target's alone (two); never the
+    differentiated forward, which no gradient could pass. The loss and gradients are the XLA
+    network's to bf16 rounding; vmapped over seeds (``train.seeds``) each launch covers the
+    seeds' parameter sets."""
+    from helpers import assert_loss_and_grads_close
+
+    from jdqn.config import TrainConfig
+    from jdqn.losses import Batch, init_moe_state, total_loss
+    from jdqn.networks import trunk as trunk_module
+
+    monkeypatch.setattr(trunk_module, "use_pallas",
+                        lambda impl, kernel: impl == "pallas" and kernel == "grn_block_bf16")
+    cfg = ModelConfig(width=64, n_grn_blocks=2, n_experts=3, expert_hidden=8, gate_hidden=8,
+                      head_hidden=16, n_atoms=11, iqn=False, matmul_dtype="bfloat16",
+                      fuse_next_obs=fuse_next_obs)
+    net, xla_net = (BranchingQNetwork(dataclasses.replace(cfg, impl=i))
+                    for i in ("pallas", "xla"))
+    k = jax.random.split(jax.random.key(0), 6)
+    b, d = 64, len(cfg.branch_sizes)
+    batch = Batch(obs=jax.random.normal(k[2], (b, 24)), next_obs=jax.random.normal(k[3], (b, 24)),
+                  action=jax.random.randint(k[4], (b, d), 0, 2), reward=jnp.ones((b,)),
+                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    n = max(seeds, 1)
+    params = jax.vmap(lambda key: init_params(net, key, 24))(jax.random.split(k[0], n))
+    target = jax.vmap(lambda key: init_params(net, key, 24))(jax.random.split(k[1], n))
+
+    def loss(model):
+        one = functools.partial(total_loss, batch=batch, key=k[5], moe_state=init_moe_state(3),
+                                alpha=0.5, net=model, train_cfg=TrainConfig())
+        if seeds:
+            def both(p):
+                values, aux = jax.vmap(one)(p, target)
+                return values.sum(), aux
+            return both
+        return lambda p: one(jax.tree.map(lambda a: a[0], p),
+                             jax.tree.map(lambda a: a[0], target))
+
+    blocks, launches = [], []
+    real_block, real_kernel = grn_block.grn_block, grn_block._kernel
+    monkeypatch.setattr(grn_block, "grn_block",
+                        lambda *a: blocks.append(a[0].shape) or real_block(*a))
+    monkeypatch.setattr(grn_block, "_kernel",
+                        lambda *a, **kw: launches.append(a[0].shape) or real_kernel(*a, **kw))
+    jax.make_jaxpr(jax.grad(lambda p: loss(net)(p)[0]))(params)
+    assert blocks == [(b, 64)] * (2 if fuse_next_obs else 4)
+    assert (n, b, 64) in launches  # the seeds: one launch's parameter sets (the rule's)
+    assert_loss_and_grads_close(loss(net), loss(xla_net), params, 3e-2)

@@ -30,7 +30,8 @@ waits hide behind the other's work:
 The loops are unrolled (s's column blocks are separate register values; 255 registers a thread
 at H = 256, no spills at the default rings). A ring's slot is refilled once the wgmma reading
 it has retired. ``exp`` is Mosaic GPU's approximate one (``ex2.approx`` of ``x·log2 e``, as
-Triton's ``exp`` in the tail kernel); the division is IEEE.
+Triton's ``exp`` in the tail kernel), and with it the LayerNorm's ``rsqrt`` (``approx_math``
+covers both); the division is IEEE.
 
 The oracle is the model's block (:class:`jdqn.networks.trunk.GRNBlock` with ``impl = "xla"``
 or its tail kernel); off the GPU the kernel runs in JAX's GPU interpreter (tests). The results
@@ -149,7 +150,8 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
     def cast(value, layout):
         return value if interpret else plgpu.layout_cast(value, layout)
 
-    def body(x_g, wfc_g, w_g, vec_g, out_g, xe_s, vec_s, ring, bars, bar_fc, bar_w, bar_x):
+    def grn_block_kernel(x_g, wfc_g, w_g, vec_g, out_g, xe_s, vec_s, ring, bars, bar_fc,
+                         bar_w, bar_x):  # (the kernel's name in jaxprs and profiles)
         wfc_r, (w_r, xr_r) = ring
         pi, mi = lax.axis_index("p"), lax.axis_index("m")
         rows = pl.ds(mi * tm, tm)
@@ -260,7 +262,7 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
     # the interpreter has no aliased refs; its separate buffers give the same values
     ring = ring if interpret else plgpu.RefUnion(*ring)
     kernel = plgpu.kernel(
-        body,
+        grn_block_kernel,
         out_type=jax.ShapeDtypeStruct((p, m, h), dt),
         grid=(p, m // tm),
         grid_names=("p", "m"),
@@ -294,7 +296,21 @@ def _batched(eps: float, interpret: bool):
         out = run(*(a.reshape(axis_size * p, *a.shape[2:]) for a in args))
         return out.reshape(axis_size, p, *out.shape[1:]), True
 
-    return run
+    @jax.custom_jvp
+    def block(*args):
+        return run(*args)
+
+    @block.defjvp
+    def no_derivative(primals, tangents):
+        # reached only with a non-zero tangent: inputs under stop_gradient (the model's
+        # grad-free forwards) carry symbolic zeros, which skip this rule
+        raise TypeError(
+            "jdqn.pallas.grn_block: the whole-block kernel has no derivative; a gradient was "
+            "asked through it. GRNBlock takes it only with grad_free=True (inputs and "
+            "parameters under stop_gradient); differentiate the block with impl='xla' or "
+            "without 'grn_block_bf16'")
+
+    return block
 
 
 def grn_block(x: Array, w_fc: Array, b_fc: Array, w: Array, b: Array, scale: Array,
@@ -302,6 +318,8 @@ def grn_block(x: Array, w_fc: Array, b_fc: Array, w: Array, b: Array, scale: Arr
     """The grad-free block ``x [M, H]`` (bf16) → ``[M, H]`` bf16: ``w_fc [H, H]``,
     ``b_fc [H]``, the folded ``w [H, 2H]`` and ``b [2H]``, the LayerNorm's ``scale`` and
     ``offset`` [H] (float32). Check :func:`eligible` first. Under ``vmap`` the batch axes
-    become the kernel's parameter-set axis. No gradient (not differentiable)."""
+    become the kernel's parameter-set axis. No derivative: a gradient asked through it (a
+    non-zero tangent) raises ``TypeError`` naming the kernel; inputs under ``stop_gradient``
+    are fine."""
     run = _batched(float(eps), bool(interpret))
     return run(*(a[None] for a in (x, w_fc, b_fc, w, b, scale, offset)))[0]
