@@ -116,6 +116,50 @@ def make_args(m: int, h: int, pair: int, dtype: str):
     return b_fc, x, w_fc, w, b, scale, offset
 
 
+def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int = 128):
+    """:func:`make_args`' tuple for GRN block ``block`` of the model itself (``width = h``,
+    ``matmul_dtype = dtype``, two GRN blocks, initialised parameters): its parameters with the
+    fold the network forms (``W = W1·W45``, ``b = b1·W45 + b45``) and, as ``x``, what the
+    block reads in the network's grad-free forward of ``m`` random observations — the input
+    layer's output for block 0, block 0's output for block 1. With ``pair``, one such set per
+    parameter initialisation (seeds 0, 1, …), stacked. The update's blocks see these values,
+    not :func:`make_args`' normal ones (the kernel's time may depend on them: a question the
+    profiles raised, ``docs/model.md``)."""
+    from flax import linen as nn
+
+    from jdqn.config import ModelConfig
+    from jdqn.networks.model import BranchingQNetwork, init_params
+    from jdqn.networks.trunk import GRNBlock
+
+    if not 0 <= block < 2:
+        raise SystemExit(f"--block {block}: the model has GRN blocks 0 and 1")
+    net = BranchingQNetwork(ModelConfig(width=h, n_grn_blocks=2, matmul_dtype=dtype,
+                                        impl="xla"))
+    obs = jax.random.normal(jax.random.key(99), (m, obs_width))
+    hi = jax.lax.Precision.HIGHEST
+    sets = []
+    for seed in range(max(pair, 1)):
+        params = init_params(net, jax.random.key(seed), obs_width)
+        seen = {}
+
+        def record(next_fun, args, kwargs, context, seen=seen):
+            if isinstance(context.module, GRNBlock) and context.method_name == "__call__":
+                seen.setdefault(context.module.name, args[0])
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            net.apply(params, obs, grad_free=True)
+        p = params["params"]["trunk"][f"grn_{block}"]
+        w1, w45 = p["fc"]["kernel"], p["glu"]["kernel"]
+        sets.append((p["fc_elu"]["bias"], seen[f"grn_{block}"], p["fc_elu"]["kernel"],
+                     jnp.dot(w1, w45, precision=hi),
+                     jnp.dot(p["fc"]["bias"], w45, precision=hi) + p["glu"]["bias"],
+                     p["norm"]["scale"], p["norm"]["bias"]))
+    if not pair:
+        return sets[0]
+    return tuple(jnp.stack(a) for a in zip(*sets, strict=True))
+
+
 def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw, design="fused"):
     """A Mosaic GPU kernel (``fused_grn_mgpu.<design>``) in the timing loop's argument order;
     it takes the pair itself."""
@@ -128,8 +172,11 @@ def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw, design="fused"):
 
 
 def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool,
-        mgpu_tiles=(), mgpu_rs=()) -> dict:
-    args = make_args(m, h, pair, dtype)
+        mgpu_tiles=(), mgpu_rs=(), block: int | None = None) -> dict:
+    """``block`` None: random inputs (:func:`make_args`); else that GRN block's inputs in the
+    model (:func:`model_args`)."""
+    args = make_args(m, h, pair, dtype) if block is None else \
+        model_args(m, h, pair, dtype, block)
 
     def bias_first(fn):
         f = lambda b_fc, x, *rest: fn(x, rest[0], b_fc, *rest[1:])
@@ -170,7 +217,10 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         print(name, results[name], file=sys.stderr, flush=True)
+    stats = {"x_std": float(jnp.std(args[1].astype(jnp.float32))),
+             "x_abs_max": float(jnp.max(jnp.abs(args[1].astype(jnp.float32))))}
     return {"bench": "fused_grn", "rows": m, "width": h, "pair": pair, "dtype": dtype,
+            "inputs": "random" if block is None else f"model block {block}", **stats,
             "interpret": interpret, "reps": reps, "results": results}
 
 
@@ -240,6 +290,10 @@ def main() -> None:
                     help="the Mosaic GPU kernel with s in registers, two CTAs per SM (bf16; "
                          "fused_grn_mgpu.fused_rs): stages/stages2[/options], comma-separated; "
                          "options joined by +: a probe, approx (approximate exp)")
+    ap.add_argument("--inputs", choices=("random", "model"), default="random",
+                    help="random normal x and weights, or a GRN block's parameters and input "
+                         "in the model itself (--block)")
+    ap.add_argument("--block", type=int, default=0, help="with --inputs model: GRN block 0 or 1")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
@@ -251,7 +305,8 @@ def main() -> None:
         if given and a.dtype != "bfloat16":
             raise SystemExit(f"{flag}: the Mosaic GPU kernel runs bf16 only, not --dtype "
                              f"{a.dtype}")
-    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs), a.out)
+    emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs,
+             a.block if a.inputs == "model" else None), a.out)
 
 
 if __name__ == "__main__":

@@ -564,6 +564,45 @@ def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
     assert out["results"]["fused_r16_w4_c16_s2"]["max_abs_diff"] < 0.05
 
 
+def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path):
+    """``--inputs model``: block 1's input is block 0's output on block 0's input (the XLA
+    path, to bf16 rounding), each parameter set its own initialisation, the weights folded as
+    the network folds them; the script runs on them and names them; a third block is
+    refused."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("fused_grn", REPO / "bench" / "fused_grn.py")
+    fg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fg)
+    b0 = fg.model_args(64, 64, 2, "bfloat16", 0)
+    b1 = fg.model_args(64, 64, 2, "bfloat16", 1)
+    for a in (b0, b1):
+        assert [v.shape for v in a] == [(2, 64), (2, 64, 64), (2, 64, 64), (2, 64, 128),
+                                        (2, 128), (2, 64), (2, 64)]
+        assert a[1].dtype == jnp.bfloat16
+        assert np.abs(np.asarray(a[2][0] - a[2][1])).max() > 0.01  # two initialisations
+    for i in range(2):
+        b_fc, x, w_fc, *rest = (v[i] for v in b0)
+        out = np.asarray(fg.xla_path(x, w_fc, b_fc, *rest).astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(b1[1][i].astype(jnp.float32)), out, atol=0.07,
+                                   rtol=0.02)
+    assert np.abs(np.asarray(b0[1].astype(jnp.float32) - b1[1].astype(jnp.float32))).max() > 0.1
+    one = fg.model_args(64, 64, 0, "bfloat16", 1)
+    np.testing.assert_array_equal(np.asarray(one[1].astype(jnp.float32)),
+                                  np.asarray(b1[1][0].astype(jnp.float32)))
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "64", "--tiles", "",
+                 "--inputs", "model", "--block", "1", "--pair", "0")
+    assert out["inputs"] == "model block 1" and set(out["results"]) == {"xla"}
+    assert 0.5 < out["x_std"] < 2
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--inputs",
+                          "model", "--block", "2", "--tiles", "", "--batch", "64",
+                          "--width", "64"], check=False, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "--block 2: the model has GRN blocks 0 and 1" in bad.stderr
+
+
 def _grn_block_sets(h: int = 128, m: int = 128):
     """bench/fused_grn_mgpu.py as a module, two parameter sets and inputs of GRNBlock (bf16)
     in the kernels' argument order (each and stacked), what the model's GPU block computes for
