@@ -89,7 +89,8 @@ def next_state_forwards(net: BranchingQNetwork, params: Any, target_params: Any,
     for float32 matmuls, where it was measured faster, and two passes for bf16, where it was
     not (H200, update at B = 16384: float32 3.50–3.55 vs 3.62–3.68 ms, 3.49–3.50 with s′ shared
     rather than broadcast; bf16 2.32 vs 2.29–2.30 ms, and again without XLA's DotMerger
-    1.624–1.628 vs 1.615–1.622 ms; ``docs/model.md``).
+    1.624–1.628 vs 1.615–1.622 ms; with the whole-block GRN kernel, which folds the pair into
+    one launch, 1.845–1.865 vs 1.814–1.818 ms on the H100; ``docs/model.md``).
     """
     params, target_params = jax.lax.stop_gradient((params, target_params))
     if not twin:
