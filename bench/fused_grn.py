@@ -122,8 +122,10 @@ def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int
     fold the network forms (``W = W1·W45``, ``b = b1·W45 + b45``) and, as ``x``, what the
     block reads in the network's grad-free forward of ``m`` random observations — the input
     layer's output for block 0, block 0's output for block 1. With ``pair``, one such set per
-    parameter initialisation (seeds 0, 1, …), stacked. The update's blocks see these values,
-    not :func:`make_args`' normal ones (the kernel's time may depend on them: a question the
+    parameter initialisation (seeds 0, 1, …), stacked. These are the update's blocks' values
+    at initialisation, on random observations, to rounding (block 1's input comes from XLA's
+    path for block 0, which the GPU's kernel matches to the last bf16 bit), rather than
+    :func:`make_args`' normal ones (the kernel's time may depend on them: a question the
     profiles raised, ``docs/model.md``)."""
     from flax import linen as nn
 

@@ -212,7 +212,8 @@ def total_loss(params: Any, target_params: Any, batch: Batch, key: Array, moe_st
         both = net.apply(params, jnp.concatenate([batch.obs, batch.next_obs], axis=0), taus,
                          tau_rows=b)
         online, online_next = _rows(both, slice(0, b)), _rows(both, slice(b, 2 * b))
-        target = net.apply(target_params, batch.next_obs, taus_prime, grad_free=True)
+        target = net.apply(jax.lax.stop_gradient(target_params), batch.next_obs, taus_prime,
+                           grad_free=True)
     else:
         online = net.apply(params, batch.obs, taus)
         online_next, target = next_state_forwards(net, params, target_params, batch.next_obs,

@@ -84,7 +84,11 @@ class BranchingQNetwork(nn.Module):
     :mod:`jdqn.pallas.grn_tail`, and the fused IQN stack, when ``cfg.impl`` selects them); the
     values are the same function either way, to rounding. Such a call
     supports reverse-mode differentiation (``jax.grad``) but not forward mode (``jax.jvp``,
-    ``jax.jacfwd``: a ``custom_vjp`` has no JVP). The same holds for every call under
+    ``jax.jacfwd``: a ``custom_vjp`` has no JVP) — except under bf16 matmuls on a Hopper GPU
+    with ``"grn_block_bf16"`` (which ``"auto"`` takes), whose whole-block kernel
+    (:mod:`jdqn.pallas.grn_block`) has no derivative at all: there a gradient through the call
+    raises, and its parameters and input must be under ``stop_gradient``, as the loss's
+    forwards at s′ put them. The same holds for every call under
     ``impl = "pallas"`` (the MoE mixture and the IQN modulation then have custom VJPs) and for
     kernels ``"auto"`` takes on the GPU. ``head_streams=True``: the output carries the C51
     head's output-layer products (``NetOutput.streams``, for the double-Q kernel

@@ -302,8 +302,9 @@ def _batched(eps: float, interpret: bool):
 
     @block.defjvp
     def no_derivative(primals, tangents):
-        # reached only with a non-zero tangent: inputs under stop_gradient (the model's
-        # grad-free forwards) carry symbolic zeros, which skip this rule
+        # reached with any tangent that is not a symbolic zero: stop_gradient must sit on the
+        # kernel's inputs themselves, after any stacking (as the model's grad-free forwards
+        # do); an explicit zeros tangent (jax.jvp with zeros_like) also lands here
         raise TypeError(
             "jdqn.pallas.grn_block: the whole-block kernel has no derivative; a gradient was "
             "asked through it. GRNBlock takes it only with grad_free=True (inputs and "
@@ -318,8 +319,8 @@ def grn_block(x: Array, w_fc: Array, b_fc: Array, w: Array, b: Array, scale: Arr
     """The grad-free block ``x [M, H]`` (bf16) → ``[M, H]`` bf16: ``w_fc [H, H]``,
     ``b_fc [H]``, the folded ``w [H, 2H]`` and ``b [2H]``, the LayerNorm's ``scale`` and
     ``offset`` [H] (float32). Check :func:`eligible` first. Under ``vmap`` the batch axes
-    become the kernel's parameter-set axis. No derivative: a gradient asked through it (a
-    non-zero tangent) raises ``TypeError`` naming the kernel; inputs under ``stop_gradient``
-    are fine."""
+    become the kernel's parameter-set axis. No derivative: any tangent reaching it that is not
+    a symbolic zero (a gradient asked through it, or an explicit zeros tangent) raises
+    ``TypeError`` naming the kernel; inputs under ``stop_gradient`` are fine."""
     run = _batched(float(eps), bool(interpret))
     return run(*(a[None] for a in (x, w_fc, b_fc, w, b, scale, offset)))[0]
