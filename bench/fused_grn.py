@@ -116,7 +116,8 @@ def make_args(m: int, h: int, pair: int, dtype: str):
     return b_fc, x, w_fc, w, b, scale, offset
 
 
-def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int = 128):
+def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int = 128,
+               x_block: int | None = None, x_scale: float = 1.0):
     """:func:`make_args`' tuple for GRN block ``block`` of the model itself (``width = h``,
     ``matmul_dtype = dtype``, two GRN blocks, initialised parameters): its parameters with the
     fold the network forms (``W = W1·W45``, ``b = b1·W45 + b45``) and, as ``x``, what the
@@ -126,15 +127,21 @@ def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int
     at initialisation, on random observations, to rounding (block 1's input comes from XLA's
     path for block 0, which the GPU's kernel matches to the last bf16 bit), rather than
     :func:`make_args`' normal ones (the kernel's time may depend on them: a question the
-    profiles raised, ``docs/model.md``)."""
+    profiles raised, ``docs/model.md``). ``x_block``: ``x`` from that block instead (block
+    ``block``'s parameters with the other block's input, to tell the two apart); ``x_scale``
+    multiplies ``x`` (rounded back to ``dtype``)."""
     from flax import linen as nn
 
     from jdqn.config import ModelConfig
     from jdqn.networks.model import BranchingQNetwork, init_params
     from jdqn.networks.trunk import GRNBlock
 
-    if not 0 <= block < 2:
-        raise SystemExit(f"--block {block}: the model has GRN blocks 0 and 1")
+    x_block = block if x_block is None else x_block
+    for flag, value in (("--block", block), ("--x-block", x_block)):
+        if not 0 <= value < 2:
+            raise SystemExit(f"{flag} {value}: the model has GRN blocks 0 and 1")
+    if not (np.isfinite(x_scale) and x_scale > 0):
+        raise SystemExit(f"--x-scale {x_scale}: must be a positive finite number")
     net = BranchingQNetwork(ModelConfig(width=h, n_grn_blocks=2, matmul_dtype=dtype,
                                         impl="xla"))
     obs = jax.random.normal(jax.random.key(99), (m, obs_width))
@@ -153,7 +160,10 @@ def model_args(m: int, h: int, pair: int, dtype: str, block: int, obs_width: int
             net.apply(params, obs, grad_free=True)
         p = params["params"]["trunk"][f"grn_{block}"]
         w1, w45 = p["fc"]["kernel"], p["glu"]["kernel"]
-        sets.append((p["fc_elu"]["bias"], seen[f"grn_{block}"], p["fc_elu"]["kernel"],
+        x = seen[f"grn_{x_block}"]
+        if x_scale != 1.0:
+            x = (x.astype(jnp.float32) * x_scale).astype(x.dtype)
+        sets.append((p["fc_elu"]["bias"], x, p["fc_elu"]["kernel"],
                      jnp.dot(w1, w45, precision=hi),
                      jnp.dot(p["fc"]["bias"], w45, precision=hi) + p["glu"]["bias"],
                      p["norm"]["scale"], p["norm"]["bias"]))
@@ -174,11 +184,12 @@ def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw, design="fused"):
 
 
 def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool,
-        mgpu_tiles=(), mgpu_rs=(), block: int | None = None) -> dict:
+        mgpu_tiles=(), mgpu_rs=(), block: int | None = None, x_block: int | None = None,
+        x_scale: float = 1.0) -> dict:
     """``block`` None: random inputs (:func:`make_args`); else that GRN block's inputs in the
-    model (:func:`model_args`)."""
+    model (:func:`model_args`, with its ``x_block`` and ``x_scale``)."""
     args = make_args(m, h, pair, dtype) if block is None else \
-        model_args(m, h, pair, dtype, block)
+        model_args(m, h, pair, dtype, block, x_block=x_block, x_scale=x_scale)
 
     def bias_first(fn):
         f = lambda b_fc, x, *rest: fn(x, rest[0], b_fc, *rest[1:])
@@ -222,7 +233,9 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
     stats = {"x_std": float(jnp.std(args[1].astype(jnp.float32))),
              "x_abs_max": float(jnp.max(jnp.abs(args[1].astype(jnp.float32))))}
     return {"bench": "fused_grn", "rows": m, "width": h, "pair": pair, "dtype": dtype,
-            "inputs": "random" if block is None else f"model block {block}", **stats,
+            "inputs": "random" if block is None else f"model block {block}",
+            **({} if block is None else {"x_block": block if x_block is None else x_block,
+                                         "x_scale": x_scale}), **stats,
             "interpret": interpret, "reps": reps, "results": results}
 
 
@@ -296,6 +309,11 @@ def main() -> None:
                     help="random normal x and weights, or a GRN block's parameters and input "
                          "in the model itself (--block)")
     ap.add_argument("--block", type=int, default=0, help="with --inputs model: GRN block 0 or 1")
+    ap.add_argument("--x-block", type=int, default=None,
+                    help="with --inputs model: x from this block's input instead (default "
+                         "--block's), the parameters staying --block's")
+    ap.add_argument("--x-scale", type=float, default=1.0,
+                    help="with --inputs model: multiply x by this")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
@@ -308,7 +326,7 @@ def main() -> None:
             raise SystemExit(f"{flag}: the Mosaic GPU kernel runs bf16 only, not --dtype "
                              f"{a.dtype}")
     emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs,
-             a.block if a.inputs == "model" else None), a.out)
+             a.block if a.inputs == "model" else None, a.x_block, a.x_scale), a.out)
 
 
 if __name__ == "__main__":

@@ -601,6 +601,25 @@ def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path):
                           "--width", "64"], check=False, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "--block 2: the model has GRN blocks 0 and 1" in bad.stderr
+    # block 0's parameters with block 1's input (scaled): the diagnosis of a value-dependent
+    # time pairs each block's parameters with the other's input
+    swap = fg.model_args(64, 64, 2, "bfloat16", 0, x_block=1, x_scale=0.5)
+    for j, v in enumerate(swap):
+        if j != 1:
+            np.testing.assert_array_equal(np.asarray(v), np.asarray(b0[j]))
+    np.testing.assert_array_equal(np.asarray(swap[1].astype(jnp.float32)),
+                                  np.asarray(b1[1].astype(jnp.float32)) * 0.5)
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "64", "--tiles", "",
+                 "--inputs", "model", "--block", "0", "--x-block", "1", "--x-scale", "2",
+                 "--pair", "0")
+    assert (out["inputs"], out["x_block"], out["x_scale"]) == ("model block 0", 1, 2.0)
+    assert 1 < out["x_std"] < 4
+    for flags, msg in ((("--x-block", "3"), "--x-block 3: the model has GRN blocks 0 and 1"),
+                       (("--x-scale", "0"), "--x-scale 0.0: must be a positive finite")):
+        bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--inputs",
+                              "model", *flags, "--tiles", "", "--batch", "64", "--width", "64"],
+                             check=False, capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and msg in bad.stderr, bad.stderr
 
 
 def _grn_block_sets(h: int = 128, m: int = 128):
