@@ -185,9 +185,11 @@ def _mgpu_bias_first(b_fc, x, w_fc, *rest, pair, kw, design="fused"):
 
 def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool,
         mgpu_tiles=(), mgpu_rs=(), block: int | None = None, x_block: int | None = None,
-        x_scale: float = 1.0) -> dict:
+        x_scale: float = 1.0, evict_mb: float = 0.0) -> dict:
     """``block`` None: random inputs (:func:`make_args`); else that GRN block's inputs in the
-    model (:func:`model_args`, with its ``x_block`` and ``x_scale``)."""
+    model (:func:`model_args`, with its ``x_block`` and ``x_scale``). ``evict_mb``: each
+    kernel is also timed with that many MB rewritten before every call (``us_cold``: the L2
+    cache evicted, the rewrite's own time, ``evict_us``, subtracted)."""
     args = make_args(m, h, pair, dtype) if block is None else \
         model_args(m, h, pair, dtype, block, x_block=x_block, x_scale=x_scale)
 
@@ -213,6 +215,10 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
             fused, rows=rows, warps=warps, chunk=chunk, stages=stages, interpret=interpret))
     ref = np.asarray(jax.jit(fns["xla"])(*args).astype(jnp.float32))
     results = {}
+    evict_bytes = int(evict_mb * 2**20)
+    evict_us = 0.0
+    if evict_mb and not interpret:
+        evict_us = 1e6 * seconds_per_call(lambda b_fc, *rest: b_fc, args, reps, evict_bytes)
     for name, fn in fns.items():
         if name.startswith(("fused", "mgpu")) and jax.default_backend() != "gpu" \
                 and not interpret:
@@ -227,6 +233,9 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
                              "bitwise_repeat": bool(np.array_equal(a, a2))}
             if not interpret:
                 results[name]["us"] = round(1e6 * seconds_per_call(fn, args, reps), 1)
+                if evict_mb:
+                    results[name]["us_cold"] = round(
+                        1e6 * seconds_per_call(fn, args, reps, evict_bytes) - evict_us, 1)
         except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         print(name, results[name], file=sys.stderr, flush=True)
@@ -236,7 +245,9 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
             "inputs": "random" if block is None else f"model block {block}",
             **({} if block is None else {"x_block": block if x_block is None else x_block,
                                          "x_scale": x_scale}), **stats,
-            "interpret": interpret, "reps": reps, "results": results}
+            "interpret": interpret, "reps": reps,
+            **({"evict_mb": evict_mb, "evict_us": round(evict_us, 1)} if evict_mb else {}),
+            "results": results}
 
 
 def _mgpu_tile(text: str) -> tuple:
@@ -315,18 +326,25 @@ def main() -> None:
     ap.add_argument("--x-scale", type=float, default=1.0,
                     help="with --inputs model: multiply x by this")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--evict-l2-mb", type=float, default=0.0,
+                    help="also time each kernel with this many MB rewritten before every call "
+                         "(twice the L2 cache, e.g. 120 on the H100/H200: us_cold, the "
+                         "rewrite's time subtracted)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
     mgpu = [_mgpu_tile(t) for t in a.mgpu_tiles.split(",") if t]
     rs = [_mgpu_rs(t) for t in a.mgpu_rs.split(",") if t]
+    if not (np.isfinite(a.evict_l2_mb) and a.evict_l2_mb >= 0):
+        raise SystemExit(f"--evict-l2-mb {a.evict_l2_mb}: must be a finite number >= 0")
     for flag, given in (("--mgpu-tiles", mgpu), ("--mgpu-rs", rs)):
         if given and a.dtype != "bfloat16":
             raise SystemExit(f"{flag}: the Mosaic GPU kernel runs bf16 only, not --dtype "
                              f"{a.dtype}")
     emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs,
-             a.block if a.inputs == "model" else None, a.x_block, a.x_scale), a.out)
+             a.block if a.inputs == "model" else None, a.x_block, a.x_scale,
+             a.evict_l2_mb), a.out)
 
 
 if __name__ == "__main__":

@@ -766,3 +766,76 @@ def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block
         bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), *flags],
                              check=False, capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
+
+
+def test_trace_neighbours_shows_each_launch_with_the_idle_gap_before_it(tmp_path):
+    """bench/trace_neighbours.py on a trace with a host process, two device streams and two
+    launches of the kernel asked for: the gap is measured from the previous device kernel's end
+    (negative where they overlap), host events are not device kernels, and a folder without a
+    trace is refused by name."""
+    import gzip
+    import json
+
+    spec = importlib.util.spec_from_file_location("trace_neighbours",
+                                                  REPO / "bench" / "trace_neighbours.py")
+    tn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tn)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    kern = [("gemm", 7, 0.0, 10.0), ("grn_block_kernel", 7, 30.0, 40.0),
+            ("grn_block_kernel", 7, 71.0, 25.0), ("tail", 8, 90.0, 3.0)]
+    ev = meta + [{"ph": "X", "pid": 1, "tid": t, "name": n, "ts": ts, "dur": d,
+                  "args": {"hlo_op": f"op{k}", "correlation_id": str(k)}}
+                 for k, (n, t, ts, d) in enumerate(kern)]
+    ev.append({"ph": "X", "pid": 2, "tid": 1, "name": "grn_block_kernel launch", "ts": 20.0,
+               "dur": 1.0})
+    lines = tn.report({"traceEvents": ev})
+    assert lines[0] == "device events 4 streams [(1, 7), (1, 8)]"
+    first, second = (lines.index("----", i) for i in (0, lines.index("----") + 1))
+    assert lines[first + 2].startswith(">> tid=7 ts=30.0 dur=40.0 gap=20.0 grn_block_kernel op1")
+    assert lines[second + 3].startswith(">> tid=7 ts=71.0 dur=25.0 gap=1.0 grn_block_kernel op2")
+    assert "gap=-6.0 tail op3" in lines[second + 4]  # starts 6 µs before the kernel ends
+    assert json.loads(lines[-1]) == {"hlo_op": "op1", "correlation_id": "1"}
+    assert tn.report({"traceEvents": ev}, "moe")[-1] == "no device kernel named like 'moe'"
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "t.trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": ev}, fh)
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "trace_neighbours.py"),
+                          str(tmp_path), "gemm"], check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert ">> tid=7 ts=0.0 dur=10.0 gap=0.0 gemm op0" in out
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "trace_neighbours.py"),
+                          str(tmp_path / "plugins" / "none")], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "no Perfetto trace (*.json.gz) under it" in bad.stderr
+
+
+def test_timed_loop_can_rewrite_a_buffer_before_each_call_and_fused_grn_times_it(tmp_path):
+    """bench/timing.py's loop with ``evict_bytes``: a float32 buffer of that size, rewritten
+    whole behind a barrier and chained into each call's input, the calls' results unchanged;
+    without it the loop has no such buffer. fused_grn --evict-l2-mb reports the cold time and
+    the rewrite's own, and refuses a negative size."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import timing
+
+    fn = lambda a, b: jnp.tanh(a * b)
+    args = (jnp.linspace(0.0, 1.0, 8), jnp.full((8,), 2.0))
+    warm, cold = (timing.timed_loop(fn, 3, e) for e in (0, 2**20))
+    np.testing.assert_array_equal(np.asarray(warm(*args)), np.asarray(cold(*args)))
+    want = sum(float(jnp.sum(fn(args[0] + 1e-3 * i, args[1]))) for i in range(3))
+    np.testing.assert_allclose(float(warm(*args)), want, rtol=1e-6)
+    hlo_cold = cold.lower(*args).as_text()
+    assert "262144" in hlo_cold and "optimization_barrier" in hlo_cold
+    assert "262144" not in warm.lower(*args).as_text()
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "64", "--tiles", "",
+                 "--pair", "0", "--reps", "2", "--evict-l2-mb", "1")
+    assert out["evict_mb"] == 1.0 and out["evict_us"] > 0
+    assert {"us", "us_cold"} <= set(out["results"]["xla"])
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--tiles", "",
+                          "--evict-l2-mb", "-1"], check=False, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "--evict-l2-mb -1.0: must be a finite number >= 0" in \
+        bad.stderr
