@@ -31,7 +31,9 @@ The loops are unrolled (s's column blocks are separate register values; 255 regi
 at H = 256, no spills at the default rings). A ring's slot is refilled once the wgmma reading
 it has retired. ``exp`` is Mosaic GPU's approximate one (``ex2.approx`` of ``x·log2 e``, as
 Triton's ``exp`` in the tail kernel), and with it the LayerNorm's ``rsqrt`` (``approx_math``
-covers both); the division is IEEE.
+covers both); the division is IEEE. That is jax 0.11's Mosaic GPU (the GPU image's); jax
+0.10's ``exp(approx=True)`` multiplies by ``log2 e`` but then takes the precise ``exp2``, so
+the kernel's ``exp`` bits can differ between the two versions (both read in their sources).
 
 The oracle is the model's block (:class:`jdqn.networks.trunk.GRNBlock` with ``impl = "xla"``
 or its tail kernel); off the GPU the kernel runs in JAX's GPU interpreter (tests). The results
@@ -49,8 +51,9 @@ set 39.3 µs against 49.8 for XLA's path, the pair 73.7 against 96.5; with the p
 43.9 and 85.4. The network takes it under ``"grn_block_bf16"`` in grad-free forwards under bf16
 matmuls (:data:`jdqn.pallas.GPU_VALIDATED`): the update at B = 16384 (its four grad-free blocks,
 the online and target networks' two at s′) 1.830–1.842 against 1.871–1.878 ms on the H100
-(``bench/ab.py``, three alternated rounds; ``docs/model.md``, "Kernels"); two bf16 ``gpu.toml``
-runs with it bitwise identical (``determinism_h100_bf16_grn_block.json``).
+(``bench/ab.py``, three alternated rounds; ``docs/model.md``, "Kernels"), 1.571–1.588 against
+1.583–1.595 ms on the H200; two bf16 ``gpu.toml`` runs with it bitwise identical
+(``determinism_h100_bf16_grn_block.json``).
 """
 
 from __future__ import annotations
