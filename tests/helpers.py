@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from jdqn.config import Config, apply_overrides, config_from_dict
 
 TINY = {
@@ -40,6 +42,33 @@ def x64():
     from jax.experimental import enable_x64  # pragma: no cover
 
     return enable_x64()
+
+
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+COMPILED = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def jax_events(event: str = LOWERED):
+    """The names of the functions (``jit(step)``, …) for which JAX recorded ``event`` inside
+    the block: :data:`LOWERED`, a lowering to XLA, with which every compilation starts (also one
+    the persistent compilation cache then supplies), or :data:`COMPILED`, XLA's own compile.
+    Compile counts are taken this way, not from jit's dispatch cache (``_cache_size``), which
+    may keep no entry depending on what else the process ran before (a test file failed on
+    that after others had run on the same worker)."""
+    from jax import monitoring
+
+    names: list[str] = []
+
+    def listen(name, duration, **kw):
+        if name == event:
+            names.append(kw.get("fun_name", "?"))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
 
 
 def all_eqns(jaxpr):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import COMPILED, jax_events, tiny_config
 
 from jdqn.train.ahead import Ahead
 
@@ -66,19 +66,8 @@ def test_a_run_compiling_ahead_is_the_same_run_with_no_program_compiled_twice(tm
 
 def _compiled_during(fn) -> list[str]:
     """The names of the programs XLA compiled while ``fn()`` ran."""
-    from jax import monitoring
-
-    names: list[str] = []
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(kw.get("fun_name", "?"))
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with jax_events(COMPILED) as names:
         fn()
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
     return names
 
 

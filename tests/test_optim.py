@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import flax.linen as nn
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import jax_events
 
 from jdqn.config import TrainConfig
 from jdqn.train.optim import (
@@ -138,28 +138,6 @@ def test_flat_global_norm_clip_matches_optax():
         jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6), got, want)
 
 
-@contextlib.contextmanager
-def _lowerings():
-    """The names of the functions lowered to XLA inside the block (each compilation starts
-    with one, also when the persistent compilation cache then supplies the executable). jit's
-    dispatch cache (``_cache_size``) is not the measure: whether it keeps an entry depends on
-    what else the process ran before (an entry was missing after other test files had run on
-    the same worker, 2026-12-05)."""
-    from jax import monitoring
-
-    names: list[str] = []
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            names.append(kw.get("fun_name", "?"))
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield names
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
-
-
 def test_changing_the_learning_rate_never_recompiles():
     params = _params()
     opt = make_optimizer(CFG, params)
@@ -174,7 +152,7 @@ def test_changing_the_learning_rate_never_recompiles():
     grads = jax.tree.map(jnp.ones_like, params)
     st = opt.init(params)
     sizes = []
-    with _lowerings() as lowered:
+    with jax_events() as lowered:
         for lr in (1e-3, 5e-4, 2e-3, 1e-3):
             st = set_learning_rate(st, lr)
             _, _, upd = step(params, st, grads)
@@ -190,7 +168,7 @@ def test_changing_the_learning_rate_never_recompiles():
     def set_lr(s, lr):
         return set_learning_rate(s, lr)
 
-    with _lowerings() as lowered:
+    with jax_events() as lowered:
         jax.block_until_ready((set_lr(st, 1e-3), set_lr(st, 3e-3)))
     assert lowered.count("jit(set_lr)") == 1, lowered
 
