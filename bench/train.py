@@ -151,7 +151,7 @@ def bench_epoch(cfg, repeats: int) -> dict:
     return {"seconds_per_epoch": best, "iters_per_epoch": c.iters_per_epoch,
             "updates_per_epoch": c.iters_per_epoch * c.updates_per_iter,
             "env_steps_per_epoch": c.iters_per_epoch * c.collect_steps * cfg.env.n_envs,
-            "compilations": int(fn._cache_size()), "peak_device_bytes": _peak_bytes()}
+            "compilations": int(fn.compilations()), "peak_device_bytes": _peak_bytes()}
 
 
 def _peak_bytes() -> int | None:

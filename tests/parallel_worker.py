@@ -196,7 +196,7 @@ def epoch_check(out: Path) -> dict:
     res["restore_equal"] = _equal(restored, st)
     st, _ = fn(restored, env1, jnp.asarray(1, jnp.int32), jnp.asarray([True, True]))
     res["after_restore"] = _split_check(st)[0]
-    res["compilations"] = int(fn._cache_size())
+    res["compilations"] = int(fn.compilations())
     res["schema"] = job_lib.feature_schema(p)
     return res
 

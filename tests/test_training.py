@@ -221,7 +221,7 @@ def test_a_one_seed_job_runs_its_epochs_without_a_seed_mask(tmp_path, monkeypatc
             masks[len(learner.cfg.train.seeds)].append(active)
             return fn(state, env_params, fold, active)
 
-        run._cache_size = fn._cache_size  # the job reports its compile count
+        run.compilations = fn.compilations  # the job reports its compile count
         return run
 
     monkeypatch.setattr(job_lib, "make_epoch_fn", spy)
@@ -248,6 +248,7 @@ def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
     cfg = tiny_config("train.iters_per_epoch=4")
     p, env_params, state = _setup(cfg)
     epoch = make_epoch_fn(p.learner)
+    before = epoch.compilations()
     lowered: list[str] = []
     inside = [False]
 
@@ -286,6 +287,7 @@ def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
     finally:
         monitoring.unregister_event_duration_listener(listen)
     assert len(lowered) == 1 and "run" in lowered[0], lowered
+    assert epoch.compilations() - before == 1  # what the job reports as epoch_compilations
     assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)
 
 
@@ -424,7 +426,7 @@ def test_q_drift_halts_and_rejects_the_model(tmp_path, monkeypatch):
                                                                                state.params))
             return fn(state, env_params, fold, active)
 
-        run._cache_size = fn._cache_size
+        run.compilations = fn.compilations
         return run
 
     monkeypatch.setattr(job_lib, "make_epoch_fn", drifting)

@@ -389,7 +389,7 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
                                     for f in plan.folds], "test": list(plan.test)},
             "features": list(p.feats.names),
             "n_params": int(sum(np.prod(x.shape[1:]) for x in jax.tree.leaves(state.params))),
-            "epoch_compilations": int(epoch_fn._cache_size()),
+            "epoch_compilations": int(epoch_fn.compilations()),
             "devices": p.learner.n_devices, "processes": jax.process_count(),
             "platform": jax.devices()[0].platform,
             "wall_seconds": time.perf_counter() - t0,
