@@ -41,7 +41,7 @@ def report(trace, pattern: str = "grn_block", shown_max: int = 8) -> list[str]:
                 f"{'>>' if j == i else '  '} tid={d['tid']} ts={float(d['ts']):.1f} "
                 f"dur={float(d.get('dur', 0)):.1f} gap={float(d['ts']) - prev_end:.1f} "
                 f"{d['name'][:50]} {str(a.get('hlo_op', ''))[:30]} "
-                + " ".join(f"{k}={v}" for k, v in a.items() if k in ("correlation_id",)))
+                + (f"correlation_id={a['correlation_id']}" if "correlation_id" in a else ""))
     if hits:
         lines.append(json.dumps(dict(dev[hits[0]].get("args", {})))[:1500])
     else:

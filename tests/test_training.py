@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import all_eqns, tiny_config, tiny_toml
+from helpers import all_eqns, jax_events, tiny_config, tiny_toml
 
 from jdqn.errors import CheckpointError, TrainingHalted
 from jdqn.train import job as job_lib
@@ -241,8 +241,6 @@ def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
     calls trigger (each compilation starts with one, also when the persistent compilation
     cache then supplies the executable); jit's dispatch cache (``_cache_size``) is not the
     measure, as whether it keeps an entry depends on what else the process ran."""
-    from jax import monitoring
-
     from jdqn.train.checkpoint import Checkpointer
 
     cfg = tiny_config("train.iters_per_epoch=4")
@@ -250,42 +248,32 @@ def test_one_compilation_across_epochs_folds_lr_changes_and_a_resume(tmp_path):
     epoch = make_epoch_fn(p.learner)
     before = epoch.compilations()
     lowered: list[str] = []
-    inside = [False]
 
-    def listen(event, duration, **kw):
-        if inside[0] and event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(kw.get("fun_name", "?"))
+    def fn(*args):  # only the epoch calls' lowerings count
+        with jax_events() as names:
+            out = epoch(*args)
+        lowered.extend(names)
+        return out
 
-    def fn(*args):
-        inside[0] = True
-        try:
-            return epoch(*args)
-        finally:
-            inside[0] = False
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        on, off = jnp.asarray([True]), jnp.asarray([False])  # the per-seed early-stopping mask
-        state, _ = fn(state, env_params, jnp.asarray(0), on)
-        state, _ = fn(state, env_params, jnp.asarray(0), on)
-        state = state.replace(opt_state=jax.vmap(lambda o: set_learning_rate(o, 1e-5))(
-            state.opt_state))
-        state, _ = fn(state, env_params, jnp.asarray(0), on)
-        frozen = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # survives donation
-        state, _ = fn(state, env_params, jnp.asarray(0), off)  # a stopped seed: unchanged
-        assert _leaves_equal(state, frozen)
-        env1 = job_lib.fold_env_params(cfg, p, 1)  # new fold: new window, normalised features
-        state = job_lib._fold_state(p, state, env1, 1, seed_keys(cfg.train.seeds))
-        state, _ = fn(state, env1, jnp.asarray(1), on)
-        jax.block_until_ready(state)
-        with Checkpointer(tmp_path / "ck", async_save=False) as ck:
-            ck.save(1, state, {"val_sharpe": 0.0})
-            restored, _ = ck.restore(1, jax.eval_shape(lambda s: s, state))
-        assert _leaves_equal(restored, state)
-        state, _ = fn(restored, env1, jnp.asarray(1), on)
-        jax.block_until_ready(state)
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
+    on, off = jnp.asarray([True]), jnp.asarray([False])  # the per-seed early-stopping mask
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
+    state = state.replace(opt_state=jax.vmap(lambda o: set_learning_rate(o, 1e-5))(
+        state.opt_state))
+    state, _ = fn(state, env_params, jnp.asarray(0), on)
+    frozen = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # survives donation
+    state, _ = fn(state, env_params, jnp.asarray(0), off)  # a stopped seed: unchanged
+    assert _leaves_equal(state, frozen)
+    env1 = job_lib.fold_env_params(cfg, p, 1)  # new fold: new window, normalised features
+    state = job_lib._fold_state(p, state, env1, 1, seed_keys(cfg.train.seeds))
+    state, _ = fn(state, env1, jnp.asarray(1), on)
+    jax.block_until_ready(state)
+    with Checkpointer(tmp_path / "ck", async_save=False) as ck:
+        ck.save(1, state, {"val_sharpe": 0.0})
+        restored, _ = ck.restore(1, jax.eval_shape(lambda s: s, state))
+    assert _leaves_equal(restored, state)
+    state, _ = fn(restored, env1, jnp.asarray(1), on)
+    jax.block_until_ready(state)
     assert len(lowered) == 1 and "run" in lowered[0], lowered
     assert epoch.compilations() - before == 1  # what the job reports as epoch_compilations
     assert float(state.opt_state.hyperparams["base_lr"][0]) == pytest.approx(1e-5)

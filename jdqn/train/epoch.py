@@ -427,8 +427,8 @@ def make_epoch_fn(learner: Learner):
     keeps an entry depends on what else the process ran before.)
     """
     c = learner.cfg.train
-    traces = [0]
     ax = learner.axis
+    traces = [0]  # run's traces: fn.compilations()
 
     def summary(state: TrainState, m: dict[str, Any]) -> dict[str, Any]:
         """One seed's epoch metrics from its per-iteration metrics (leaves ``[iters, ...]``)."""
