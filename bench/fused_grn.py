@@ -313,8 +313,9 @@ def main() -> None:
                          "tm/c2/stages/eta_in (regs|smem)[/stages2[/probe]], comma-separated; "
                          "a probe (no_act|no_ln|mm_only) drops work for timing")
     ap.add_argument("--mgpu-rs", default="",
-                    help="the Mosaic GPU kernel with s in registers, two CTAs per SM (bf16; "
-                         "fused_grn_mgpu.fused_rs): stages/stages2[/options], comma-separated; "
+                    help="the Mosaic GPU kernel with s in registers, two CTAs per SM, the "
+                         "product's (jdqn.pallas.grn_block via fused_grn_mgpu.fused_rs; bf16, "
+                         "or float32 as TF32): stages/stages2[/options], comma-separated; "
                          "options joined by +: a probe, approx (approximate exp)")
     ap.add_argument("--inputs", choices=("random", "model"), default="random",
                     help="random normal x and weights, or a GRN block's parameters and input "
@@ -338,10 +339,9 @@ def main() -> None:
     rs = [_mgpu_rs(t) for t in a.mgpu_rs.split(",") if t]
     if not (np.isfinite(a.evict_l2_mb) and a.evict_l2_mb >= 0):
         raise SystemExit(f"--evict-l2-mb {a.evict_l2_mb}: must be a finite number >= 0")
-    for flag, given in (("--mgpu-tiles", mgpu), ("--mgpu-rs", rs)):
-        if given and a.dtype != "bfloat16":
-            raise SystemExit(f"{flag}: the Mosaic GPU kernel runs bf16 only, not --dtype "
-                             f"{a.dtype}")
+    if mgpu and a.dtype != "bfloat16":
+        raise SystemExit(f"--mgpu-tiles: the Mosaic GPU kernel runs bf16 only, not --dtype "
+                         f"{a.dtype}")
     emit(run(a.batch, a.width, a.pair, a.dtype, tiles, a.reps, a.interpret, mgpu, rs,
              a.block if a.inputs == "model" else None, a.x_block, a.x_scale,
              a.evict_l2_mb), a.out)

@@ -718,7 +718,8 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--mgpu-tiles",
                           "64/64/2/regs", "--dtype", "float32"], check=False,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "bf16 only" in bad.stderr
+    assert bad.returncode != 0 and "--mgpu-tiles: the Mosaic GPU kernel runs bf16 only" \
+        in bad.stderr
 
 
 def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block(tmp_path):
@@ -742,7 +743,7 @@ def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block
     for i in range(2):  # the LayerNorm's sums over four column blocks, not one row: their
         # float32 order moves a few more last bits (0.18 %; a changed rounding moves percents)
         assert_model(got[i], i, f"h=256 set {i}", frac=5e-3)
-    bad = {"bf16 only": {"dtype": "float32"}, "does not tile": {"rows": 32},
+    bad = {"bf16 or float32, not float16": {"dtype": "float16"}, "does not tile": {"rows": 32},
            "probe must be": {"probe": "fast"}, "1 slot or more": {"stages2": 0}}
     for message, kw in bad.items():
         x = stacked[0].astype(kw.pop("dtype", stacked[0].dtype))[:, :kw.pop("rows", 64)]
@@ -761,11 +762,26 @@ def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block
     for flags, message in ((["--mgpu-rs", "2"], "is not stages/stages2"),
                            (["--mgpu-rs", "2/0"], "stages2 = '0'"),
                            (["--mgpu-rs", "2/3/fast"], "options 'fast'"),
-                           (["--mgpu-rs", "2/3/no_ln+no_act"], "options 'no_ln+no_act'"),
-                           (["--mgpu-rs", "2/3", "--dtype", "float32"], "bf16 only")):
+                           (["--mgpu-rs", "2/3/no_ln+no_act"], "options 'no_ln+no_act'")):
         bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), *flags],
                              check=False, capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
+
+
+def test_fused_grn_bench_runs_the_products_kernel_in_float32(tmp_path):
+    """``--mgpu-rs`` under ``--dtype float32``: the product's kernel as TF32 on the GPU (in the
+    interpreter with exact products), each setting equal to the XLA path to float32 rounding,
+    a probe changing the values (``--mgpu-tiles``, the bf16-only research kernel, is still
+    refused for float32: the Mosaic GPU kernel test above)."""
+    out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "64", "--tiles", "",
+                 "--dtype", "float32", "--mgpu-rs", "1/3/approx,2/3,1/1/no_ln",
+                 "--interpret", "--reps", "1")
+    res = out["results"]
+    assert set(res) == {"xla", "mgpu_rs_s1-3_approx", "mgpu_rs_s2-3", "mgpu_rs_s1-1_probe_no_ln"}
+    assert out["dtype"] == "float32"
+    for name in ("mgpu_rs_s1-3_approx", "mgpu_rs_s2-3"):
+        assert res[name]["max_abs_diff"] <= 1e-5 and res[name]["bitwise_repeat"], name
+    assert res["mgpu_rs_s1-1_probe_no_ln"]["max_abs_diff"] > 0.1
 
 
 def test_trace_neighbours_shows_each_launch_with_the_idle_gap_before_it(tmp_path):

@@ -76,10 +76,50 @@ def test_the_kernel_is_the_models_block_to_bf16_rounding_and_batches_its_paramet
     np.testing.assert_array_equal(_f32(nested)[1], got[::-1])
 
 
-def test_only_bf16_inputs_in_whole_tiles_are_eligible():
+def _f32_block_args(seed: int, m: int = 64, h: int = 128):
+    """:func:`_block_args` for a float32 block: its parameters and the kernel's arguments."""
+    block = GRNBlock(width=h, matmul_dtype="float32", impl="xla")
+    x = jax.random.normal(jax.random.key(seed + 7), (m, h))
+    params = block.init(jax.random.key(seed), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(seed + 2),
+                                                                p.shape), params)
+    hi = jax.lax.Precision.HIGHEST
+    w = jnp.dot(params["fc"]["kernel"], params["glu"]["kernel"], precision=hi)
+    b = jnp.dot(params["fc"]["bias"], params["glu"]["kernel"], precision=hi) \
+        + params["glu"]["bias"]
+    return block, params, (x, params["fc_elu"]["kernel"], params["fc_elu"]["bias"], w, b,
+                           params["norm"]["scale"], params["norm"]["bias"])
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_the_float32_kernel_is_the_models_float32_block_and_batches_its_parameter_sets(h):
+    """float32 (TF32 on the GPU; exact float32 products in the interpreter): the kernel — two
+    32-column chunks per 64, the gate's and value's column blocks as one product — equals the
+    XLA block (``GRNBlock``, float32) to float32 rounding, for two parameter sets in one launch,
+    each the same bits as alone."""
+    made = [_f32_block_args(s, 64, h) for s in (0, 3)]
+    stacked = [jnp.stack(a) for a in zip(*(m[2] for m in made), strict=True)]
+    got = np.asarray(jax.vmap(lambda *a: grn_block.grn_block(*a, grn_tail.EPSILON, True))(
+        *stacked))
+    assert got.dtype == np.float32
+    for i, (block, params, args) in enumerate(made):
+        want = np.asarray(block.apply({"params": params}, args[0]))
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5, err_msg=str(i))
+        np.testing.assert_array_equal(got[i], grn_block.grn_block(*args, grn_tail.EPSILON,
+                                                                   True))
+    assert np.abs(got[0] - got[1]).max() > 0.5
+
+
+def test_only_bf16_or_float32_inputs_in_whole_tiles_are_eligible():
     x = jnp.zeros((128, 64), jnp.bfloat16)
     assert grn_block.eligible(x, 64)
-    assert not grn_block.eligible(x.astype(jnp.float32), 64)  # float32: the tail kernel
+    assert grn_block.eligible(x.astype(jnp.float32), 64)  # TF32 products, as XLA's default
+    with jax.default_matmul_precision("highest"):  # XLA's exact float32: the kernel is not
+        assert not grn_block.eligible(x.astype(jnp.float32), 64)
+        assert grn_block.eligible(x, 64)  # bf16 is bf16 under any precision
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert grn_block.eligible(x.astype(jnp.float32), 64)
+    assert not grn_block.eligible(x.astype(jnp.float16), 64)
     assert not grn_block.eligible(x[:96], 64)  # rows: not whole tiles of 64
     assert not grn_block.eligible(jnp.zeros((128, 96), jnp.bfloat16), 96)  # width
     assert not grn_block.eligible(x, 128)  # the residual's width differs
@@ -90,31 +130,34 @@ def test_only_bf16_inputs_in_whole_tiles_are_eligible():
     assert grn_block.eligible(jnp.zeros((64, 256), jnp.bfloat16), 256)
     with pytest.raises(ValueError, match="does not tile"):
         grn_block.grn_block(x[:96], *_block_args(0, 64, 64)[1][1:], grn_tail.EPSILON, True)
-    with pytest.raises(ValueError, match="bf16 only"):
-        grn_block.grn_block(x.astype(jnp.float32), *_block_args(0, 64, 64)[1][1:],
+    with pytest.raises(ValueError, match="runs bf16 or float32, not float16"):
+        grn_block.grn_block(x.astype(jnp.float16), *_block_args(0, 64, 64)[1][1:],
                             grn_tail.EPSILON, True)
 
 
+@pytest.mark.parametrize("md", ["bfloat16", "float32"])
 @pytest.mark.parametrize("rows,width,used", [(64, 64, True), (40, 64, False),
                                              (64, 32, False)])
-def test_the_grad_free_bf16_network_runs_each_grn_block_as_the_kernel(monkeypatch, rows, width,
-                                                                      used):
-    """``impl = "pallas"`` with only this switch on: a grad-free bf16 forward runs one kernel
-    per GRN block where the block's input tiles (else XLA's path), the same parameters as the
-    XLA network and its values to bf16 rounding; the differentiated forward and float32
-    matmuls run none."""
+def test_the_grad_free_network_runs_each_grn_block_as_the_kernel(monkeypatch, rows, width,
+                                                                 used, md):
+    """``impl = "pallas"`` with only this dtype's switch on (``"grn_block_bf16"``,
+    ``"grn_block_f32"``): a grad-free forward runs one kernel per GRN block where the block's
+    input tiles (else XLA's path), the same parameters as the XLA network and its values to
+    bf16 (float32) rounding; the differentiated forward runs none, nor the other matmul dtype
+    (its switch off), nor float32 under ``"highest"`` matmul precision."""
     from helpers import pallas_kernel_names
 
     from jdqn.networks import trunk as trunk_module
 
+    switch = "grn_block_bf16" if md == "bfloat16" else "grn_block_f32"
+    other = "float32" if md == "bfloat16" else "bfloat16"
     calls = []
     real = grn_block.grn_block
     monkeypatch.setattr(grn_block, "grn_block", lambda *a: calls.append(a[0].shape) or real(*a))
     monkeypatch.setattr(trunk_module, "use_pallas",
-                        lambda impl, kernel: impl == "pallas" and kernel == "grn_block_bf16")
+                        lambda impl, kernel: impl == "pallas" and kernel == switch)
     cfg = ModelConfig(width=width, n_grn_blocks=2, n_experts=3, expert_hidden=8,
-                      gate_hidden=8, head_hidden=16, n_atoms=11, iqn=False,
-                      matmul_dtype="bfloat16")
+                      gate_hidden=8, head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=md)
     obs = jax.random.normal(jax.random.key(1), (rows, 24))
     xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
     net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
@@ -122,14 +165,19 @@ def test_the_grad_free_bf16_network_runs_each_grn_block_as_the_kernel(monkeypatc
     got = net.apply(params, obs, grad_free=True)
     assert calls == ([(rows, width)] * 2 if used else [])
     want = xla_net.apply(params, obs)
+    tol = 3e-2 if md == "bfloat16" else 1e-5
     for a, b in zip(got.logits, want.logits, strict=True):
-        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2)
-    np.testing.assert_allclose(_f32(got.features), _f32(want.features), rtol=3e-2, atol=3e-2)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    np.testing.assert_allclose(_f32(got.features), _f32(want.features), rtol=tol, atol=tol)
     calls.clear()
     net.apply(params, obs)  # differentiated forward
-    f32 = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas", matmul_dtype="float32"))
-    f32.apply(params, obs, grad_free=True)
+    BranchingQNetwork(dataclasses.replace(cfg, impl="pallas", matmul_dtype=other)).apply(
+        params, obs, grad_free=True)
     assert calls == []
+    if md == "float32":
+        with jax.default_matmul_precision("highest"):
+            net.apply(params, obs, grad_free=True)
+        assert calls == []
     jaxpr = jax.make_jaxpr(lambda p: net.apply(p, obs, grad_free=True).logits)(params).jaxpr
     assert "grn_tail" not in pallas_kernel_names(jaxpr)
     calls.clear()
@@ -259,28 +307,41 @@ def _on_hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="compiles the kernel: needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("width", [64, 128, 256])
-def test_compiled_kernel_rings_keep_their_order_on_a_hopper_gpu(width):
+def test_compiled_kernel_rings_keep_their_order_on_a_hopper_gpu(width, dtype):
     """On the GPU, where wgmma reads shared memory asynchronously (the interpreter runs it
     synchronously, so its race detector cannot see a slot refilled too early): every ring
     depth, from one slot (each refill waits for the wgmma reading the slot) to more slots than
-    the loop has steps, gives the same bits, bitwise repeatable, within bf16 rounding of the
-    block's path before the kernel (XLA's GEMMs and the tail kernel; 14.6 % of the elements
-    differ in their last bit on the H100), over sixteen tiles and two parameter sets in one
-    launch; the precise ``exp`` too."""
-    sets = [_block_args(s, 1024, width)[1] for s in (0, 3)]
+    the loop has steps, gives the same bits, bitwise repeatable, within rounding of the
+    block's path before the kernel, over sixteen tiles and two parameter sets in one launch;
+    the precise ``exp`` too. bf16: against XLA's GEMMs and the tail kernel (14.6 % of the
+    elements differ in their last bit on the H100). float32 — TF32 products, the weights'
+    blocks read through transposed (K-major) views, which the interpreter does not have —
+    against XLA's float32 block at its default (TF32) precision."""
+    if dtype == "bfloat16":
+        sets = [_block_args(s, 1024, width)[1] for s in (0, 3)]
+    else:
+        sets = [_f32_block_args(s, 1024, width)[2] for s in (0, 3)]
     stacked = [jnp.stack(a) for a in zip(*sets, strict=True)]
     interpret = jax.default_backend() != "gpu"  # (the test's logic was checked in the
     # interpreter by calling it directly; pytest skips it off Hopper)
-    want = np.stack([_f32(jax.jit(functools.partial(_tail_path, interpret=interpret))(*a))
-                     for a in sets])
+    if dtype == "bfloat16":
+        want = np.stack([_f32(jax.jit(functools.partial(_tail_path, interpret=interpret))(*a))
+                         for a in sets])
+    else:
+        block = GRNBlock(width=width, matmul_dtype="float32", impl="xla")
+        want = np.stack([np.asarray(jax.jit(block.apply)({"params": m[1]}, m[2][0]))
+                         for m in (_f32_block_args(s, 1024, width) for s in (0, 3))])
+
     def run(*args, **kw):
         return _f32(jax.jit(functools.partial(grn_block._kernel, eps=grn_tail.EPSILON,
                                               interpret=interpret, **kw))(*args))
 
     first = None
     # rings from one slot to the loop's whole length (8/20 clamps to it below H = 256; at 256
-    # the 16 steps' 256 KB would not fit shared memory, 4/6 is 165 KB with x and the vectors)
+    # the 16 (float32: 64) steps would not fit shared memory, 4/6 is 165 KB (197) with x and
+    # the vectors)
     deepest = (4, 6) if width == 256 else (8, 20)
     for stages, stages2 in ((1, 1), (1, 3), (2, 1), (2, 3), (2, 2), (3, 4), deepest):
         got = run(*stacked, stages=stages, stages2=stages2)
@@ -288,10 +349,14 @@ def test_compiled_kernel_rings_keep_their_order_on_a_hopper_gpu(width):
         np.testing.assert_array_equal(got, again, err_msg=f"rings {stages}/{stages2}")
         first = got if first is None else first
         np.testing.assert_array_equal(got, first, err_msg=f"rings {stages}/{stages2}")
-    assert np.abs(first - want).max() <= 1 / 16
-    assert np.mean(first != want) <= 0.25
+    if dtype == "bfloat16":
+        assert np.abs(first - want).max() <= 1 / 16
+        assert np.mean(first != want) <= 0.25
+    else:  # TF32 both, but not the same roundings (measured: max 0.0073 at 1024 rows)
+        assert np.abs(first - want).max() <= 3e-2
+        assert np.sqrt(np.mean((first - want) ** 2)) <= 3e-3
     precise = run(*stacked, approx=False)
-    assert np.abs(precise - want).max() <= 1 / 16
+    assert np.abs(precise - want).max() <= (1 / 16 if dtype == "bfloat16" else 3e-2)
     one = _f32(jax.jit(lambda *a: grn_block.grn_block(*a, grn_tail.EPSILON, interpret))(
         *sets[1]))
     np.testing.assert_array_equal(one, first[1])  # one set alone: the pair's bits

@@ -141,8 +141,8 @@ class GRNBlock(nn.Module):
     width: int
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, see add_bias)
-    # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"), or under
-    # bf16 matmuls the whole block jdqn.pallas.grn_block's ("grn_block_bf16"); with a
+    # no gradient taken: the tail may be jdqn.pallas.grn_tail's kernel ("grn_tail"), or the
+    # whole block jdqn.pallas.grn_block's ("grn_block_bf16", "grn_block_f32": TF32); with a
     # gradient, the tail kernel and its backward kernel under "grn_tail_grad" (float32
     # matmuls) or "grn_tail_grad_bf16" (bf16 matmuls), switches measured apart
     grad_free: bool = False
@@ -151,7 +151,8 @@ class GRNBlock(nn.Module):
     def __call__(self, x: Array) -> Array:
         md, impl = self.matmul_dtype, self.impl
         hi = jax.lax.Precision.HIGHEST  # parameter-sized products: exact float32
-        if self.grad_free and md == "bfloat16" and use_pallas(impl, "grn_block_bf16"):
+        whole = "grn_block_bf16" if md == "bfloat16" else "grn_block_f32"
+        if self.grad_free and use_pallas(impl, whole):
             from jdqn.pallas import grn_block, grn_tail
 
             # the whole block: one Mosaic GPU kernel (Hopper only)

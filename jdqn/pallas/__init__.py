@@ -91,6 +91,8 @@ Kernels in this version:
   with its tail kernel (to bf16 rounding). Measured on the H100: 39.3 vs 49.8 µs alone for one
   parameter set at B = 16384; the update (bf16, its four grad-free blocks: the online and
   target networks' two at s′) 1.830–1.842 against 1.871–1.878 ms over three alternated rounds.
+  Its float32 form (TF32 products, ``"grn_block_f32"``) made the float32 update slower on the
+  H200 (2.558–2.563 against 2.451–2.471 ms), so ``"auto"`` does not take it.
 
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
@@ -116,7 +118,8 @@ Array = jax.Array
 # heads, train_h200_bf16_iqn_tail_ab*.json, and the GRN tail's backward kernel,
 # train_h200_bf16_grn_tail_grad_ab2.json, and the whole grad-free GRN block,
 # train_h100_bf16_grn_block_ab.json: measured on an H100, none being lent). Not listed, measured slower in the update:
-# "c51_loss", "iqn", "moe", "reductions"; no faster: "iqn_modulation".
+# "c51_loss", "iqn", "moe", "reductions", "grn_block_f32"
+# (train_h200_f32_grn_block_f32_rejected_ab.json); no faster: "iqn_modulation".
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
                            "iqn_tail", "iqn_tail_grad", "moe_gate_grad", "per_sums",
                            "iqn_tail_bf16", "iqn_tail_grad_bf16", "grn_tail_grad_bf16",

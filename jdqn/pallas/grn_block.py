@@ -9,10 +9,10 @@ A GRN block (:class:`jdqn.networks.trunk.GRNBlock`) with its two linear layers f
 XLA runs that as two cuBLAS GEMMs with the bias + ELU fused after the first, and the tail as
 :mod:`jdqn.pallas.grn_tail`'s kernel: η and y go to memory and come back. This kernel reads
 ``x`` and writes ``out`` once per tile of 64 rows; η, y and the pre-norm sum s never leave the
-SM. Written in Pallas' Mosaic GPU dialect (TMA copies, warpgroup MMA: sm_90), bf16 only
-(wgmma's float32 path is TF32 with K-major operands; the model's weights are not). Per CTA one
-warpgroup and 64 rows, ~100 KB of shared memory so that two CTAs share an SM and each one's
-waits hide behind the other's work:
+SM. Written in Pallas' Mosaic GPU dialect (TMA copies, warpgroup MMA: sm_90), for bf16 and,
+measured slower than XLA's path and not taken by ``"auto"`` (below), float32 as TF32. Per CTA
+one warpgroup and 64 rows, ~100 KB of shared memory so that two CTAs share an SM and each
+one's waits hide behind the other's work:
 
 1. TMA: the vectors (``b_fc | b | scale | offset``, float32) and the ``x`` tile (``H / 64``
    column chunks, 128-byte swizzle); ``W_fc`` by ``[64, H]`` row chunks through a
@@ -34,6 +34,24 @@ Triton's ``exp`` in the tail kernel), and with it the LayerNorm's ``rsqrt`` (``a
 covers both); the division is IEEE. That is jax 0.11's Mosaic GPU (the GPU image's); jax
 0.10's ``exp(approx=True)`` multiplies by ``log2 e`` but then takes the precise ``exp2``, so
 the kernel's ``exp`` bits can differ between the two versions (both read in their sources).
+
+**float32** (``"grn_block_f32"``, taken only under ``impl = "pallas"``): wgmma's float32 path
+is TF32 and reads both operands K-major from shared memory, so the weights go in transposed
+(parameter-sized XLA transposes) and their blocks are read through transposed views; a chunk
+is 32 columns (the same 128-byte swizzle), η and x take 64 KB, and the gate's and value's
+column blocks run as one N = 64 product (two N = 32 products leave wgmma bound by shared
+memory's reads: 198.5 against 181.2 µs for the pair on the H100, XLA's path 177.8 and 177.2
+in those two machine sessions). Eligible only where XLA's
+own float32 matmuls may be TF32 (:func:`eligible`). Measured (``bench/fused_grn.py --dtype
+float32 --mgpu-rs``, the pair at B = 16384, H = 256, the model's block-0 inputs): on the H200
+**165.4 µs against 144.5** for XLA's path (its GEMMs and the tail kernel), 105.1 with the
+matmuls and copies alone (``mm_only``); on the H100 181.2 against 177.2. In the update (H200,
+float32, three alternated rounds) **2.558–2.563 ms against 2.451–2.471** without it: one
+warpgroup per CTA serialises the TF32 products with the exponentials and the LayerNorm, and
+two CTAs per SM cannot hide that (``bench/results/train_h200_f32_grn_block_f32_rejected_ab.json``).
+Against float64, the kernel's root-mean-square error is 7.8e-4 where XLA's TF32 path's is
+5.3e-4 (16384 rows of normal inputs, H = 256): the two convert the float32 operands to TF32
+differently (not examined further).
 
 The oracle is the model's block (:class:`jdqn.networks.trunk.GRNBlock` with ``impl = "xla"``
 or its tail kernel); off the GPU the kernel runs in JAX's GPU interpreter (tests). The results
@@ -67,7 +85,8 @@ from jax import lax
 Array = jax.Array
 F32 = jnp.float32
 ROWS = 64  # one warpgroup's wgmma tile
-CHUNK = 64  # 128 bytes of bf16: the swizzle every block shares
+CHUNK = 64  # H and the phases' column blocks tile by this
+CHUNK_BYTES = 128  # the swizzle every block shares: a chunk is 64 bf16 or 32 float32 columns
 MAX_WIDTH = 256  # wgmma's largest N (the first product's full width)
 PROBES = ("", "no_act", "no_ln", "mm_only")  # timing probes (bench/fused_grn.py), wrong values
 
@@ -85,10 +104,18 @@ def eta_from_product(acc: Array, b_fc: Array, dt) -> Array:
 
 
 def eligible(x: Array, width: int) -> bool:
-    """Whether the kernel takes the block's input: bf16 ``x [M, width]`` with M a positive
-    multiple of 64 and the width 64, 128, 192 or 256 (the first product is one wgmma N = width
-    wide, at most 256; wider fails to lower)."""
-    return (x.ndim == 2 and x.dtype == jnp.bfloat16 and x.shape[-1] == width
+    """Whether the kernel takes the block's input: bf16 or float32 ``x [M, width]`` with M a
+    positive multiple of 64 and the width 64, 128, 192 or 256 (the first product is one wgmma
+    N = width wide, at most 256; wider fails to lower). float32 only where XLA's own float32
+    matmuls may run as TF32 (``jax_default_matmul_precision`` unset or a fast value, as
+    :mod:`jdqn.pallas.iqn` reads it): the kernel's products are TF32, so under ``"highest"``
+    the block keeps XLA's full-precision path."""
+    if x.dtype == F32:
+        from jdqn.pallas.iqn import _FAST
+
+        if jax.config.jax_default_matmul_precision not in _FAST:
+            return False
+    return (x.ndim == 2 and x.dtype in (jnp.bfloat16, F32) and x.shape[-1] == width
             and x.shape[0] > 0 and x.shape[0] % ROWS == 0 and width % CHUNK == 0
             and CHUNK <= width <= MAX_WIDTH)
 
@@ -116,27 +143,42 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
+def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | None = None,
             stages2: int = 3, probe: str = "", approx: bool = True, interpret: bool = False):
-    """The block for ``P`` parameter sets at once: ``x [P, M, H]`` bf16, ``w_fc [P, H, H]``,
-    ``w [P, H, 2H]`` (cast to bf16), the vectors ``[P, ·]`` (float32) → ``[P, M, H]`` bf16.
-    ``stages``/``stages2``: the rings' slots for ``W_fc``'s chunks and ``W``'s blocks (2 and 3
-    keep two CTAs on an SM at H = 256). ``probe`` (timing only, wrong values): ``"no_act"``
-    drops the ELU's and the gate's ``exp`` (η = z, σ(g) → g), ``"no_ln"`` writes s
-    unnormalised, ``"mm_only"`` both. ``approx=False``: the precise ``exp``."""
+    """The block for ``P`` parameter sets at once: ``x [P, M, H]`` bf16 or float32,
+    ``w_fc [P, H, H]``, ``w [P, H, 2H]`` (cast to ``x``'s dtype), the vectors ``[P, ·]``
+    (float32) → ``[P, M, H]`` in ``x``'s dtype. ``stages``/``stages2``: the rings' slots for
+    ``W_fc``'s chunks and ``W``'s blocks (at H = 256, bf16's 2 and 3 and float32's 1 and 3 keep
+    two CTAs on an SM; ``stages`` None: that dtype's).
+    ``probe`` (timing only, wrong values): ``"no_act"`` drops the ELU's and the gate's ``exp``
+    (η = z, σ(g) → g), ``"no_ln"`` writes s unnormalised, ``"mm_only"`` both.
+    ``approx=False``: the precise ``exp``.
+
+    float32 runs wgmma's TF32 path, whose operands must be K-major in shared memory: ``x`` and
+    η are (rows of the contraction), the weights are not, so they go in transposed (``W_fcᵀ``,
+    ``Wᵀ``: parameter-sized XLA transposes) and each shared-memory block is read through a
+    transposed view. A chunk is 128 bytes of a row either way: 64 bf16 or 32 float32 columns
+    (the swizzle), so float32 has twice the chunks and column blocks of half the width. The
+    interpreter has no transposed wgmma operand: there the float32 weights go in as they are."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     p, m, h = x.shape
-    dt, tm, kc = x.dtype, ROWS, CHUNK
-    if dt != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU block runs bf16 only, not {dt}")
-    if h % kc or m % tm or not h:
+    dt, tm = x.dtype, ROWS
+    if dt not in (jnp.bfloat16, F32):
+        raise ValueError(f"the Mosaic GPU block runs bf16 or float32, not {dt}")
+    kc = CHUNK_BYTES // jnp.dtype(dt).itemsize  # one swizzled row: 64 bf16, 32 float32
+    stages = (2 if dt == jnp.bfloat16 else 1) if stages is None else stages
+    if h % CHUNK or m % tm or not h:
         raise ValueError(f"shape M={m}, h={h} does not tile by tm={tm} and 64")
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
     if stages < 1 or stages2 < 1:
         raise ValueError(f"stages = {stages}, stages2 = {stages2}: rings are 1 slot or more")
+    kmajor = dt == F32 and not interpret  # TF32: the weights' blocks read transposed
+    # float32: the gate's and value's column blocks as one N = 2·kc product (N = 32 alone
+    # leaves wgmma bound by shared memory's reads)
+    fuse_gv = dt == F32
     nk = h // kc
     nv = -(-5 * h // 256)
     vec = jnp.concatenate([b_fc, b, scale, offset], axis=-1).astype(F32)
@@ -153,6 +195,9 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
     def cast(value, layout):
         return value if interpret else plgpu.layout_cast(value, layout)
 
+    def operand(ref):  # a weight block as wgmma's B [K, N]
+        return ref.transpose((1, 0)) if kmajor else ref
+
     def grn_block_kernel(x_g, wfc_g, w_g, vec_g, out_g, xe_s, vec_s, ring, bars, bar_fc,
                          bar_w, bar_x):  # (the kernel's name in jaxprs and profiles)
         wfc_r, (w_r, xr_r) = ring
@@ -166,8 +211,9 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
             plgpu.copy_gmem_to_smem(vec_g.at[pi, piece], vec_s.at[piece], bars.at[nk + q])
 
         def fetch_fc(k):
-            plgpu.copy_gmem_to_smem(wfc_g.at[pi, pl.ds(k * kc, kc)], wfc_r.at[k % s1_],
-                                    bar_fc.at[k % s1_])
+            src = wfc_g.at[pi, :, pl.ds(k * kc, kc)] if kmajor else \
+                wfc_g.at[pi, pl.ds(k * kc, kc)]
+            plgpu.copy_gmem_to_smem(src, wfc_r.at[k % s1_], bar_fc.at[k % s1_])
 
         for k in range(s1_):
             fetch_fc(k)
@@ -182,7 +228,7 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
                 plgpu.barrier_wait(bars.at[k])
             for k in range(nk):
                 plgpu.barrier_wait(bar_fc.at[k % s1_])
-                plgpu.wgmma(acc_ref, xe_s.at[k], wfc_r.at[k % s1_])
+                plgpu.wgmma(acc_ref, xe_s.at[k], operand(wfc_r.at[k % s1_]))
                 # a slot is refilled once the wgmma reading it has retired: the one before
                 # this step's (still in flight) with two slots or more, this step's with one
                 lag = min(1, s1_ - 1)
@@ -197,9 +243,13 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
         def fetch_w(t):
             j, k = steps[t]
             for half in range(2):
-                plgpu.copy_gmem_to_smem(
-                    w_g.at[pi, pl.ds(k * kc, kc), pl.ds(half * h + j * kc, kc)],
-                    w_r.at[t % s2_, half], bar_w.at[t % s2_])
+                cols = pl.ds(half * h + j * kc, kc)
+                src = w_g.at[pi, cols, pl.ds(k * kc, kc)] if kmajor else \
+                    w_g.at[pi, pl.ds(k * kc, kc), cols]
+                dst = w_r.at[t % s2_, half] if not fuse_gv else \
+                    w_r.at[t % s2_, pl.ds(half * kc, kc)] if kmajor else \
+                    w_r.at[t % s2_, :, pl.ds(half * kc, kc)]
+                plgpu.copy_gmem_to_smem(src, dst, bar_w.at[t % s2_])
 
         def fetch_x(j):
             plgpu.copy_gmem_to_smem(x_g.at[pi, rows, pl.ds(j * kc, kc)], xr_r.at[j % 2],
@@ -225,15 +275,23 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
                 for k in range(nk):
                     t = j * nk + k
                     plgpu.barrier_wait(bar_w.at[t % s2_])
-                    plgpu.wgmma(g_ref, xe_s.at[k], w_r.at[t % s2_, 0])
-                    plgpu.wgmma(v_ref, xe_s.at[k], w_r.at[t % s2_, 1])
-                    lag = min(1, s2_ - 1)  # as in phase 1; two wgmma groups per step
+                    if fuse_gv:  # one [K, 2·kc] operand: the gate's columns, then the value's
+                        plgpu.wgmma(g_ref, xe_s.at[k], operand(w_r.at[t % s2_]))
+                    else:
+                        plgpu.wgmma(g_ref, xe_s.at[k], operand(w_r.at[t % s2_, 0]))
+                        plgpu.wgmma(v_ref, xe_s.at[k], operand(w_r.at[t % s2_, 1]))
+                    lag = min(1, s2_ - 1)  # as in phase 1; one or two wgmma groups per step
                     if t >= lag and t - lag + s2_ < len(steps):
-                        plgpu.wgmma_wait(2 * lag)
+                        plgpu.wgmma_wait((1 if fuse_gv else 2) * lag)
                         fetch_w(t - lag + s2_)
+                if fuse_gv:
+                    gv = g_ref[...]
+                    return gv[:, :kc], gv[:, kc:]
                 return g_ref[...], v_ref[...]
 
-            g, v = pl.run_scoped(mm, plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
+            accs = (plgpu.ACC((tm, 2 * kc), F32),) if fuse_gv else \
+                (plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
+            g, v = pl.run_scoped(mm if not fuse_gv else (lambda r, mm=mm: mm(r, None)), *accs)
             plgpu.barrier_wait(bar_x.at[j % 2])
             xj = load(xr_r.at[j % 2], plgpu.Layout.WGMMA).astype(F32)
             if j + 2 < nk:
@@ -259,8 +317,9 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
             plgpu.copy_smem_to_gmem(xe_s.at[j], out_g.at[pi, rows, pl.ds(j * kc, kc)])
         plgpu.wait_smem_to_gmem(0)
 
-    ring = (plgpu.SMEM((s1_, kc, h), dt, transforms=tr),
-            [plgpu.SMEM((s2_, 2, kc, kc), dt, transforms=tr),
+    ring = (plgpu.SMEM((s1_, h, kc) if kmajor else (s1_, kc, h), dt, transforms=tr),
+            [plgpu.SMEM((s2_, 2, kc, kc) if not fuse_gv else (s2_, 2 * kc, kc) if kmajor
+                        else (s2_, kc, 2 * kc), dt, transforms=tr),
              plgpu.SMEM((2, tm, kc), dt, transforms=tr)])
     # the interpreter has no aliased refs; its separate buffers give the same values
     ring = ring if interpret else plgpu.RefUnion(*ring)
@@ -279,7 +338,10 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int = 2,
         compiler_params=plgpu.CompilerParams(approx_math=True) if approx else None,
         interpret=_interpret_params() if interpret else None,
     )
-    return kernel(x, w_fc.astype(dt), w.astype(dt), vec)
+    w_fc, w = w_fc.astype(dt), w.astype(dt)
+    if kmajor:
+        w_fc, w = jnp.swapaxes(w_fc, 1, 2), jnp.swapaxes(w, 1, 2)
+    return kernel(x, w_fc, w, vec)
 
 
 @functools.cache
