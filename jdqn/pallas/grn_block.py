@@ -271,27 +271,26 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
         s_blocks = []
         s1 = s2 = cast(jnp.zeros((tm,), F32), plgpu.Layout.WGMMA.reduce(1))
         for j in range(nk):
-            def mm(g_ref, v_ref, j=j):
+            def mm(*accs, j=j):  # (g, v), or with fuse_gv one [g | v] accumulator
                 for k in range(nk):
                     t = j * nk + k
                     plgpu.barrier_wait(bar_w.at[t % s2_])
                     if fuse_gv:  # one [K, 2·kc] operand: the gate's columns, then the value's
-                        plgpu.wgmma(g_ref, xe_s.at[k], operand(w_r.at[t % s2_]))
+                        plgpu.wgmma(accs[0], xe_s.at[k], operand(w_r.at[t % s2_]))
                     else:
-                        plgpu.wgmma(g_ref, xe_s.at[k], operand(w_r.at[t % s2_, 0]))
-                        plgpu.wgmma(v_ref, xe_s.at[k], operand(w_r.at[t % s2_, 1]))
-                    lag = min(1, s2_ - 1)  # as in phase 1; one or two wgmma groups per step
+                        for half, acc_ref in enumerate(accs):
+                            plgpu.wgmma(acc_ref, xe_s.at[k], operand(w_r.at[t % s2_, half]))
+                    lag = min(1, s2_ - 1)  # as in phase 1; one wgmma group per accumulator
                     if t >= lag and t - lag + s2_ < len(steps):
-                        plgpu.wgmma_wait((1 if fuse_gv else 2) * lag)
+                        plgpu.wgmma_wait(len(accs) * lag)
                         fetch_w(t - lag + s2_)
                 if fuse_gv:
-                    gv = g_ref[...]
+                    gv = accs[0][...]
                     return gv[:, :kc], gv[:, kc:]
-                return g_ref[...], v_ref[...]
+                return accs[0][...], accs[1][...]
 
-            accs = (plgpu.ACC((tm, 2 * kc), F32),) if fuse_gv else \
-                (plgpu.ACC((tm, kc), F32), plgpu.ACC((tm, kc), F32))
-            g, v = pl.run_scoped(mm if not fuse_gv else (lambda r, mm=mm: mm(r, None)), *accs)
+            shapes = [(tm, 2 * kc)] if fuse_gv else [(tm, kc)] * 2
+            g, v = pl.run_scoped(mm, *(plgpu.ACC(shape, F32) for shape in shapes))
             plgpu.barrier_wait(bar_x.at[j % 2])
             xj = load(xr_r.at[j % 2], plgpu.Layout.WGMMA).astype(F32)
             if j + 2 < nk:
