@@ -111,9 +111,9 @@ def eligible(x: Array, width: int) -> bool:
     :mod:`jdqn.pallas.iqn` reads it): the kernel's products are TF32, so under ``"highest"``
     the block keeps XLA's full-precision path."""
     if x.dtype == F32:
-        from jdqn.pallas.iqn import _FAST
+        from jdqn.pallas.iqn import _precision  # the Pallas kernels' one reading of it
 
-        if jax.config.jax_default_matmul_precision not in _FAST:
+        if _precision() != jax.lax.Precision.DEFAULT:
             return False
     return (x.ndim == 2 and x.dtype in (jnp.bfloat16, F32) and x.shape[-1] == width
             and x.shape[0] > 0 and x.shape[0] % ROWS == 0 and width % CHUNK == 0
