@@ -19,6 +19,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel iqn_tail   # the IQN output stage (bias, ReLU, W2)
     python bench/kernels.py --kernel iqn_tail_grad  # its gradient (backward kernel)
     python bench/kernels.py --kernel moe_gate_grad  # the MoE gated hidden layer's gradient
+    python bench/kernels.py --kernel trunk_input --dtype bfloat16  # selection+input, MoE gate
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
@@ -437,6 +438,58 @@ def bench_moe_gate_grad(b: int, reps: int, tiles: list[tuple[int, int]], k: int 
             "results": _time_tiles(fns, args, reps, compare, interpret)}
 
 
+def bench_trunk_input(b: int, reps: int, tiles: list[tuple[int, int]], dtype: str,
+                      pair: int = 1, w: int = 128, h: int = 256, g: int = 64, k: int = 8,
+                      interpret: bool = False) -> dict:
+    """The trunk's two grad-free readers of the observation (``jdqn.pallas.trunk_input``:
+    variable selection + the input layer → h0, the MoE gate → logits and probabilities) at the
+    update's shape: ``pair`` parameter sets vmapped over one shared ``obs [b, w]`` (1: the bf16
+    forwards at s′, run apart; 2: the float32 twin pass), matmuls in ``dtype``. XLA's kernels for
+    the oracles (the trunk's layers) against both kernels over tiles (rows per program / warps,
+    the same for both); the largest differences and a bitwise repeat. The timing loop perturbs
+    the first argument, the selection bias, so no ``[b, ·]`` pass is added to either side.
+    ``interpret``: the kernel rows in Pallas' interpreter (off the GPU; for tests)."""
+    from jdqn.pallas import trunk_input
+
+    ks = jax.random.split(jax.random.key(0), 9)
+    norm = lambda key, shape, n: jax.random.normal(key, (pair, *shape)) / np.sqrt(n)
+    obs = jax.random.normal(ks[0], (b, w))
+    params = (0.1 * jax.random.normal(ks[1], (pair, w)), norm(ks[2], (w, w), w),
+              norm(ks[3], (w, h), w), 0.1 * jax.random.normal(ks[4], (pair, h)),
+              norm(ks[5], (w, g), w), 0.1 * jax.random.normal(ks[6], (pair, g)),
+              norm(ks[7], (g, k), g), 0.1 * jax.random.normal(ks[8], (pair, k)))
+
+    def both(sel, gate):
+        def one(sel_b, sel_w, proj_w, proj_b, w1, b1, w2, b2, obs):
+            return (sel(obs, sel_w, sel_b, proj_w, proj_b), *gate(obs, w1, b1, w2, b2))
+        return jax.vmap(one, in_axes=(0,) * 8 + (None,))
+
+    fns = {"xla_reference": both(
+        functools.partial(trunk_input.selection_input_reference, matmul_dtype=dtype),
+        functools.partial(trunk_input.gate_reference, matmul_dtype=dtype))}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = both(
+            lambda *a, rows=rows, warps=warps: trunk_input.selection_input(
+                *a, dtype, interpret, rows, warps),
+            lambda *a, rows=rows, warps=warps: trunk_input.gate(*a, dtype, interpret, rows,
+                                                                warps))
+    args = (*params, obs)
+    ref = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fns["xla_reference"])(*args)]
+
+    def compare(a, a2):
+        a = [np.asarray(x.astype(jnp.float32)) for x in a]
+        diff = {n: float(np.max(np.abs(x - y))) for n, x, y in zip(("h0", "logits", "gate"),
+                                                                    a, ref)}
+        return {"max_abs_diff": diff,
+                "h0_elements_differing": float(np.mean(a[0] != ref[0])),
+                "bitwise_repeat": all(bool(np.array_equal(x, np.asarray(y.astype(jnp.float32))))
+                                      for x, y in zip(a, a2))}
+
+    return {"dtype": dtype, "pair": pair, "obs_width": w, "width": h, "gate_hidden": g,
+            "experts": k, "interpret": interpret,
+            "results": _time_tiles(fns, args, reps, compare, interpret)}
+
+
 def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
                    sizes: tuple[int, ...] = (4, 3, 3, 3), interpret: bool = False) -> dict:
     """The double-Q selection at s′ (``jdqn.pallas.double_q``) at the update's shape: the
@@ -556,7 +609,7 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
                                          "modulation", "reduce", "grn_tail", "grn_tail_grad",
                                          "double_q", "iqn_tail", "iqn_tail_grad",
-                                         "moe_gate_grad"),
+                                         "moe_gate_grad", "trunk_input"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -582,12 +635,19 @@ def main() -> None:
                          "comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--trunk-input-tiles", default="64/4,32/4,128/4,64/8,128/8",
+                    help="trunk input kernels' tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--pair", type=int, default=1,
+                    help="--kernel trunk_input: parameter sets vmapped over one obs (2: the "
+                         "float32 twin forward at s′)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype; --kernel iqn_tail(_grad): "
-                         "the hidden layer's pre-activation's (bf16 matmuls)")
+                         "the hidden layer's pre-activation's (bf16 matmuls); --kernel "
+                         "trunk_input: the matmuls'")
     ap.add_argument("--interpret", action="store_true",
                     help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad) / "
-                         "moe_gate_grad: run the kernel in Pallas' interpreter (tests)")
+                         "moe_gate_grad / trunk_input: run the kernel in Pallas' interpreter "
+                         "(tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
@@ -633,6 +693,12 @@ def main() -> None:
                           **bench_moe_gate_grad(b, args.reps, _tiles(args.moe_gate_tiles),
                                                 interpret=args.interpret),
                           **meta}))
+        return
+    if args.kernel == "trunk_input":
+        print(json.dumps({"bench": "kernels", "kernel": "trunk_input",
+                          **bench_trunk_input(b, args.reps, _tiles(args.trunk_input_tiles),
+                                              args.dtype, args.pair,
+                                              interpret=args.interpret), **meta}))
         return
     if args.kernel == "double_q":
         print(json.dumps({"bench": "kernels", "kernel": "double_q",

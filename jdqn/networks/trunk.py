@@ -201,6 +201,31 @@ class _LayerNormParams(nn.Module):
                 self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32))
 
 
+def _trunk_input_kernels(impl: str, matmul_dtype: str, grad_free: bool, obs: Array,
+                         width: int | None = None) -> bool:
+    """Whether a grad-free trunk reads ``obs`` through :mod:`jdqn.pallas.trunk_input`'s
+    kernels (the switch ``"trunk_input_bf16"`` or ``"trunk_input_f32"`` by matmul dtype)."""
+    if not grad_free:
+        return False
+    switch = "trunk_input_bf16" if matmul_dtype == "bfloat16" else "trunk_input_f32"
+    if not use_pallas(impl, switch):
+        return False
+    from jdqn.pallas import trunk_input
+
+    return trunk_input.eligible(obs, width)
+
+
+class _SelectionParams(nn.Module):
+    """:class:`VariableSelection`'s parameters (``select/kernel``, ``select/bias``) created as
+    it creates them, not applied: the grad-free trunk's kernel reads them."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self) -> tuple[Array, Array]:
+        return DenseParams(self.features, self.features, name="select")()
+
+
 class VariableSelection(nn.Module):
     """Sigmoid variable-selection gate over the ``W`` inputs: ``x ⊙ σ(V x + c)``.
 
@@ -280,6 +305,9 @@ class MixtureOfExperts(nn.Module):
     # holding "moe_gate_grad" but not "moe" differentiates the gated hidden layer through
     # jdqn.pallas.moe_gate's backward kernel (float32)
     impl: str = "xla"
+    # no gradient taken: the gate may be jdqn.pallas.trunk_input's kernel ("trunk_input_bf16",
+    # "trunk_input_f32")
+    grad_free: bool = False
 
     @nn.compact
     def __call__(self, x: Array, obs: Array) -> MoEOutput:
@@ -287,11 +315,21 @@ class MixtureOfExperts(nn.Module):
         w1, b1 = ExpertWeights(k, h_dim, e, name="experts_in")()
         w2, b2 = ExpertWeights(k, e, h_dim, name="experts_out")()
 
-        g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc",
-                                 impl=self.impl))
-        gate_logits = dense(g_hidden, k, self.matmul_dtype, "gate_out",
-                            kernel_init=nn.initializers.zeros, wide=True, impl=self.impl)
-        gate = jax.nn.softmax(gate_logits, axis=-1)
+        if _trunk_input_kernels(self.impl, self.matmul_dtype, self.grad_free, obs):
+            from jdqn.pallas import trunk_input
+
+            # the gate as one kernel (obs read once, its hidden layer kept on chip)
+            gw1, gb1 = DenseParams(obs.shape[-1], self.gate_hidden, name="gate_fc")()
+            gw2, gb2 = DenseParams(self.gate_hidden, k, nn.initializers.zeros,
+                                   name="gate_out")()
+            gate_logits, gate = trunk_input.gate(obs, gw1, gb1, gw2, gb2, self.matmul_dtype,
+                                                 jax.default_backend() != "gpu")
+        else:
+            g_hidden = nn.relu(dense(obs, self.gate_hidden, self.matmul_dtype, "gate_fc",
+                                     impl=self.impl))
+            gate_logits = dense(g_hidden, k, self.matmul_dtype, "gate_out",
+                                kernel_init=nn.initializers.zeros, wide=True, impl=self.impl)
+            gate = jax.nn.softmax(gate_logits, axis=-1)
 
         md, act = self.matmul_dtype, act_dtype(self.matmul_dtype, x)
         pre = _einsum("bh,khe->bke", x, w1, md, act)  # [B, K, E]
@@ -384,11 +422,24 @@ class Trunk(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array) -> TrunkOutput:
-        x, selection = VariableSelection(self.matmul_dtype, self.impl, name="selection")(obs)
-        h = dense(x, self.width, self.matmul_dtype, "proj", impl=self.impl)
+        md = self.matmul_dtype
+        if _trunk_input_kernels(self.impl, md, self.grad_free, obs, self.width):
+            from jdqn.pallas import trunk_input
+
+            # variable selection and the input layer as one kernel; the selection weights
+            # (diagnostics only) by XLA, which drops them where nothing reads them
+            sel_w, sel_b = _SelectionParams(obs.shape[-1], name="selection")()
+            proj_w, proj_b = DenseParams(obs.shape[-1], self.width, name="proj")()
+            h = trunk_input.selection_input(obs, sel_w, sel_b, proj_w, proj_b, md,
+                                            jax.default_backend() != "gpu")
+            selection = nn.sigmoid(add_bias(matmul(obs, sel_w, md, act_dtype(md, obs)),
+                                            sel_b, self.impl)).astype(wide_dtype(md, obs))
+        else:
+            x, selection = VariableSelection(md, self.impl, name="selection")(obs)
+            h = dense(x, self.width, md, "proj", impl=self.impl)
         for i in range(self.n_grn_blocks):
             h = GRNBlock(self.width, self.matmul_dtype, self.impl, self.grad_free,
                          name=f"grn_{i}")(h)
         moe = MixtureOfExperts(self.n_experts, self.expert_hidden, self.gate_hidden,
-                               self.matmul_dtype, self.impl, name="moe")(h, obs)
+                               self.matmul_dtype, self.impl, self.grad_free, name="moe")(h, obs)
         return TrunkOutput(h=moe.h, gate=moe.gate, selection=selection)
