@@ -94,6 +94,16 @@ Kernels in this version:
   Its float32 form (TF32 products, ``"grn_block_f32"``) made the float32 update slower on the
   H200 (2.558–2.563 against 2.451–2.471 ms), so ``"auto"`` does not take it.
 
+* :func:`jdqn.pallas.trunk_input.selection_input` and :func:`jdqn.pallas.trunk_input.gate` —
+  the grad-free trunk's two readers of the observation (variable selection with the input
+  layer; the MoE gate with its softmax), one Triton kernel each, float32 or bf16 with the
+  model's rounding points. The oracles are :func:`jdqn.pallas.trunk_input.selection_input_reference`
+  and :func:`jdqn.pallas.trunk_input.gate_reference`. Measured on the H100 (no H200 lent that
+  day): bf16, one parameter set, 37.5 against 46.9 µs alone, but the update no faster
+  (1.800–1.807 against 1.798–1.804 ms); float32 at the twin pass's shape slower alone (111–127
+  against 92.8 µs) and in the update (2.894–2.902 against 2.889–2.897). ``"auto"`` does not
+  take them (``"trunk_input_bf16"``, ``"trunk_input_f32"``).
+
 ``"auto"`` uses a kernel on the GPU only where it has been measured there to make the update
 faster (:data:`GPU_VALIDATED`); ``"pallas"`` uses every kernel (on the CPU in the
 interpreter). See ``docs/model.md``, "Kernels".
@@ -119,7 +129,8 @@ Array = jax.Array
 # train_h200_bf16_grn_tail_grad_ab2.json, and the whole grad-free GRN block,
 # train_h100_bf16_grn_block_ab.json: measured on an H100, none being lent). Not listed, measured slower in the update:
 # "c51_loss", "iqn", "moe", "reductions", "grn_block_f32"
-# (train_h200_f32_grn_block_f32_rejected_ab.json); no faster: "iqn_modulation".
+# (train_h200_f32_grn_block_f32_rejected_ab.json); no faster: "iqn_modulation",
+# "trunk_input_bf16", "trunk_input_f32" (train_h100_*_trunk_input_rejected_ab.json).
 GPU_VALIDATED = frozenset({"projection", "grn_tail", "grn_tail_grad", "double_q",
                            "iqn_tail", "iqn_tail_grad", "moe_gate_grad", "per_sums",
                            "iqn_tail_bf16", "iqn_tail_grad_bf16", "grn_tail_grad_bf16",
