@@ -85,7 +85,8 @@ def test_the_oracles_round_where_the_bf16_model_stores_activations():
 def test_only_float32_obs_in_whole_tiles_of_power_of_two_width_are_eligible():
     obs = jnp.zeros((128, 32))
     assert trunk_input.eligible(obs, 64)
-    assert trunk_input.eligible(obs)  # the gate: no input-layer width
+    assert trunk_input.eligible(obs)  # obs alone
+    assert not trunk_input.eligible(obs, 24)  # an input layer or gate 24 wide: not a power of 2
     assert not trunk_input.eligible(obs[:96], 64)  # rows: not whole tiles of 64
     assert not trunk_input.eligible(obs[:0], 64)  # an empty batch: XLA's path
     assert not trunk_input.eligible(jnp.zeros((128, 24)), 64)  # width 24: not a power of two
@@ -100,9 +101,10 @@ def test_only_float32_obs_in_whole_tiles_of_power_of_two_width_are_eligible():
         assert trunk_input.eligible(obs, 64)
 
 
-def _cfg(md: str, **kw) -> ModelConfig:
-    return ModelConfig(width=64, n_grn_blocks=1, n_experts=3, expert_hidden=8, gate_hidden=16,
-                       head_hidden=16, n_atoms=11, iqn=False, matmul_dtype=md, **kw)
+def _cfg(md: str, gate_hidden: int = 16, **kw) -> ModelConfig:
+    return ModelConfig(width=64, n_grn_blocks=1, n_experts=3, expert_hidden=8,
+                       gate_hidden=gate_hidden, head_hidden=16, n_atoms=11, iqn=False,
+                       matmul_dtype=md, **kw)
 
 
 def _perturbed(params, seed: int = 9):
@@ -130,12 +132,17 @@ def _count_kernels(monkeypatch) -> list[str]:
     return calls
 
 
+SEL_GATE = ["selection_input", "gate"]
+
+
 @pytest.mark.parametrize("md", ["bfloat16", "float32"])
-@pytest.mark.parametrize("rows,width,used", [(64, W, True), (40, W, False), (64, 24, False)])
+@pytest.mark.parametrize("rows,width,gate_hidden,used", [
+    (64, W, 16, SEL_GATE), (40, W, 16, []), (64, 24, 16, []), (64, W, 24, ["selection_input"])])
 def test_the_grad_free_network_reads_obs_through_the_kernels(monkeypatch, md, rows, width,
-                                                             used):
+                                                             gate_hidden, used):
     """``impl = "pallas"`` with only this dtype's switch on: a grad-free forward runs the two
-    kernels where obs tiles and its width is a power of two (else XLA's layers), with the XLA
+    kernels where obs tiles and its width is a power of two — the gate's only where its hidden
+    width is one too — (else XLA's layers), with the XLA
     network's parameters, and gives its logits, gate and features to the stored dtype's
     rounding, its selection weights (computed by XLA beside the kernel) exactly; the
     differentiated forward runs neither, nor the other dtype (its switch off), nor float32
@@ -144,13 +151,13 @@ def test_the_grad_free_network_reads_obs_through_the_kernels(monkeypatch, md, ro
     other = "float32" if md == "bfloat16" else "bfloat16"
     _switch_only(monkeypatch, switch)
     calls = _count_kernels(monkeypatch)
-    cfg = _cfg(md)
+    cfg = _cfg(md, gate_hidden)
     xla_net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
     net = BranchingQNetwork(dataclasses.replace(cfg, impl="pallas"))
     params = _perturbed(init_params(xla_net, jax.random.key(0), width))
     obs = jax.random.normal(jax.random.key(1), (rows, width))
     got = net.apply(params, obs, grad_free=True)
-    assert calls == (["selection_input", "gate"] if used else [])
+    assert calls == used
     want = xla_net.apply(params, obs)
     tol = 3e-2 if md == "bfloat16" else 1e-5
     for a, b in zip(got.logits, want.logits, strict=True):

@@ -315,7 +315,8 @@ class MixtureOfExperts(nn.Module):
         w1, b1 = ExpertWeights(k, h_dim, e, name="experts_in")()
         w2, b2 = ExpertWeights(k, e, h_dim, name="experts_out")()
 
-        if _trunk_input_kernels(self.impl, self.matmul_dtype, self.grad_free, obs):
+        if _trunk_input_kernels(self.impl, self.matmul_dtype, self.grad_free, obs,
+                                self.gate_hidden):
             from jdqn.pallas import trunk_input
 
             # the gate as one kernel (obs read once, its hidden layer kept on chip)

@@ -112,10 +112,10 @@ def gate_reference(obs: Array, w1: Array, b1: Array, w2: Array, b2: Array,
 def eligible(obs: Array, width: int | None = None) -> bool:
     """Whether the kernels take ``obs``: float32 ``[M, W]`` with M a positive multiple of 64
     (every program a whole tile), W a power of two from 16 to 256 (Triton's block rule; the
-    trunk's default 128), and a ``width`` (the input layer's, H) that is a power of two from 16
-    to 512. Float32 products only where XLA's own float32 matmuls may be TF32 (the
-    kernels'products are then the same class); under ``"highest"`` the trunk keeps XLA's
-    path."""
+    trunk's default 128), and a ``width`` — the input layer's H for :func:`selection_input`,
+    the gate's hidden width G for :func:`gate` — that is a power of two from 16 to 512.
+    Float32 products only where XLA's own float32 matmuls may be TF32 (the kernels' products
+    are then the same class); under ``"highest"`` the trunk keeps XLA's path."""
     if obs.ndim != 2 or obs.dtype != F32 or _precision() != jax.lax.Precision.DEFAULT:
         return False
     m, w = obs.shape
