@@ -14,6 +14,8 @@ normalisation) on N envs; the epoch is ``make_epoch_fn`` with the config's sizes
     python bench/train.py --quick               # small sizes, CPU smoke run
     python bench/train.py --dtype bfloat16      # bf16 mixed precision
     python bench/train.py --out r.json          # r.json rewritten after each section
+    python bench/ab.py --variant base=. --variant nosp=. \
+        --env 'nosp:JDQN_BENCH_PROBE=no_next_state'   # what the forwards at s′ cost the update
     python bench/train.py --config configs/multi_gpu.toml   # data parallel over every GPU
 
 Timings exclude compilation (one warm-up call) and end with ``block_until_ready``; each figure
@@ -49,6 +51,32 @@ from jdqn.train import parallel, xla_options
 from jdqn.train.state import seed_keys
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# Timing probes (wrong results, never the model): "no_next_state" replaces the loss's forwards
+# at s′ (the online and target networks', through the double-Q kernel or not) by zeros of their
+# shapes, so the update runs without them — what they cost its wall time, where they run beside
+# the forward and backward at s under concurrent CUDA graphs (docs/model.md, "Where an update's
+# time goes"). JDQN_BENCH_PROBE sets it per variant under bench/ab.py (--env).
+PROBES = ("", "no_next_state")
+
+
+def apply_probe(probe: str) -> None:
+    """Install a timing probe (:data:`PROBES`) in this process's loss; ``""`` leaves it as is."""
+    if probe not in PROBES:
+        raise SystemExit(f"--probe must be one of {PROBES[1:]}, not {probe!r}")
+    if not probe:
+        return
+    from jdqn.losses import total
+
+    def standin(real):
+        def zeros_like_result(net, *args, **kw):
+            shapes = jax.eval_shape(lambda *a: real(net, *a, **kw), *args)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return zeros_like_result
+
+    total.next_state_double_q = standin(total.next_state_double_q)
+    total.next_state_forwards = standin(total.next_state_forwards)
 
 
 def _time(fn, repeats: int) -> float:
@@ -186,10 +214,15 @@ def main() -> None:
                     help="comma-separated kernels model.impl='auto' takes on the GPU, replacing "
                     "jdqn.pallas.GPU_VALIDATED for this run (to time a candidate kernel in the "
                     "full update before it is validated)")
+    ap.add_argument("--probe", default=os.environ.get("JDQN_BENCH_PROBE", ""),
+                    help="a timing probe that changes what the update computes (wrong "
+                    "results): 'no_next_state' drops the forwards at s′ (default: the "
+                    "JDQN_BENCH_PROBE environment variable, else none)")
     ap.add_argument("--out", default="", help="also write the JSON to this file after every "
                     "section, so a run stopped by a time limit keeps its finished sections "
                     "(\"complete\": false until the end)")
     args = ap.parse_args()
+    apply_probe(args.probe)
     if args.pallas_kernels is not None:
         jdqn.pallas.GPU_VALIDATED = frozenset(k for k in args.pallas_kernels.split(",") if k)
     if args.precision != "default":
@@ -211,7 +244,8 @@ def main() -> None:
     dev = jax.devices()[0]
     out = {
         "bench": "train", "config": Path(args.config).name, "quick": args.quick,
-        "sets": args.sets, "pallas_kernels": sorted(jdqn.pallas.GPU_VALIDATED),
+        "sets": args.sets, "probe": args.probe,
+        "pallas_kernels": sorted(jdqn.pallas.GPU_VALIDATED),
         "fuse_next_obs": base.model.fuse_next_obs,
         "next_state_twin": pairs_next_state_forwards(base.model),
         "matmul_dtype": args.dtype, "matmul_precision": args.precision,

@@ -34,6 +34,7 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     printed = _bench(tmp_path, "train.py", "--quick", "--batches", "64", "--repeats", "1",
                      "--skip-epoch", "--skip-collect", "--pallas-kernels", "projection,iqn")
     assert printed["complete"] and printed["pallas_kernels"] == ["iqn", "projection"]
+    assert printed["probe"] == ""  # the model's update, no timing probe
     # gpu.toml: online at s, then online + target paired at s′ (float32)
     assert printed["fuse_next_obs"] is False and printed["next_state_twin"] is True
     (row,) = printed["updates"]
@@ -43,6 +44,50 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     assert printed["replay_fill"] == "capacity" and row["replay_size"] == 100_000
     # one seed on one device: "auto" resolves to concurrent graphs, which the CPU has none of
     assert printed["gpu_graphs_resolved"] == "concurrent" and printed["compiler_options"] is None
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
+    """``--probe no_next_state`` (a timing probe, wrong results): the loss no longer reads the
+    target network — the forwards at s′ are gone, through the double-Q kernel (``"pallas"``)
+    or not — while the forward at s still sets it; without the probe the target matters. An
+    unknown probe is refused by name."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import train as train_bench
+
+    from jdqn.config import ModelConfig, TrainConfig
+    from jdqn.losses import Batch, init_moe_state, total
+    from jdqn.networks.model import BranchingQNetwork, init_params
+
+    for name in ("next_state_double_q", "next_state_forwards"):  # restored after the test
+        monkeypatch.setattr(total, name, getattr(total, name))
+    cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
+                      head_hidden=8, n_atoms=11, iqn=True, fuse_next_obs=False)
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
+    k = jax.random.split(jax.random.key(0), 8)
+    b, d = 16, len(cfg.branch_sizes)
+    batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
+                  action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
+                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    params, t1, t2 = (init_params(net, key, 12) for key in k[3:6])
+
+    def loss(target):
+        return float(total.total_loss(params, target, batch, k[6], init_moe_state(2), 0.5,
+                                      net=net, train_cfg=TrainConfig())[0])
+
+    assert loss(t1) != loss(t2)
+    train_bench.apply_probe("no_next_state")
+    assert loss(t1) == loss(t2)
+    assert loss(t1) != float(total.total_loss(init_params(net, k[7], 12), t1, batch, k[6],
+                                              init_moe_state(2), 0.5, net=net,
+                                              train_cfg=TrainConfig())[0])
+    with pytest.raises(SystemExit, match="--probe must be one of"):
+        train_bench.apply_probe("no_backward")
 
 
 def test_profile_summary_counts_each_devices_busy_time_once():
