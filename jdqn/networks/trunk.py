@@ -226,6 +226,14 @@ class _SelectionParams(nn.Module):
         return DenseParams(self.features, self.features, name="select")()
 
 
+def _selection_weights(obs: Array, kernel: Array, bias: Array, matmul_dtype: str,
+                       impl: str) -> Array:
+    """The variable-selection weights ``σ(obs·V + c)`` in the activations' dtype (the
+    ``select`` layer as :func:`dense` applies it)."""
+    return nn.sigmoid(add_bias(matmul(obs, kernel, matmul_dtype, act_dtype(matmul_dtype, obs)),
+                               bias, impl))
+
+
 class VariableSelection(nn.Module):
     """Sigmoid variable-selection gate over the ``W`` inputs: ``x ⊙ σ(V x + c)``.
 
@@ -239,8 +247,8 @@ class VariableSelection(nn.Module):
 
     @nn.compact
     def __call__(self, obs: Array) -> tuple[Array, Array]:
-        weights = nn.sigmoid(dense(obs, obs.shape[-1], self.matmul_dtype, "select",
-                                   impl=self.impl))
+        kernel, bias = DenseParams(obs.shape[-1], obs.shape[-1], name="select")()
+        weights = _selection_weights(obs, kernel, bias, self.matmul_dtype, self.impl)
         return obs.astype(weights.dtype) * weights, weights.astype(
             wide_dtype(self.matmul_dtype, obs))
 
@@ -433,8 +441,8 @@ class Trunk(nn.Module):
             proj_w, proj_b = DenseParams(obs.shape[-1], self.width, name="proj")()
             h = trunk_input.selection_input(obs, sel_w, sel_b, proj_w, proj_b, md,
                                             jax.default_backend() != "gpu")
-            selection = nn.sigmoid(add_bias(matmul(obs, sel_w, md, act_dtype(md, obs)),
-                                            sel_b, self.impl)).astype(wide_dtype(md, obs))
+            selection = _selection_weights(obs, sel_w, sel_b, md, self.impl).astype(
+                wide_dtype(md, obs))
         else:
             x, selection = VariableSelection(md, self.impl, name="selection")(obs)
             h = dense(x, self.width, md, "proj", impl=self.impl)
