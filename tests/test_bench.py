@@ -320,6 +320,22 @@ def test_kernels_bench_times_the_moe_gate_gradient_against_xla_autodiff():
     _assert_parity_rows(out, ("dpre", "db1", "dgate"))
 
 
+@pytest.mark.parametrize("dtype,pair", [("bfloat16", 1), ("float32", 2)])
+def test_kernels_bench_times_the_trunk_input_kernels_against_xla(dtype, pair):
+    """Both trunk-input kernels against XLA's kernels for their oracles, at a dtype's shape of
+    the forwards at s′ (bf16 apart, float32 the twin pair over one obs): in the interpreter
+    the same values as the oracles and bitwise repeatable."""
+    out = _kernels_bench("--kernel", "trunk_input", "--batch", "128", "--reps", "1",
+                         "--trunk-input-tiles", "64/4", "--dtype", dtype, "--pair", str(pair),
+                         "--interpret")
+    assert out["kernel"] == "trunk_input" and out["interpret"] is True
+    assert (out["dtype"], out["pair"], out["obs_width"], out["width"]) == (dtype, pair, 128, 256)
+    assert set(out["results"]) == {"xla_reference", "pallas_rows64_w4"}
+    row = out["results"]["pallas_rows64_w4"]
+    assert row["us"] > 0 and row["bitwise_repeat"]
+    assert max(row["max_abs_diff"].values()) <= (1e-2 if dtype == "bfloat16" else 1e-5), row
+
+
 def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape():
     out = _kernels_bench("--kernel", "double_q", "--batch", "24", "--reps", "1",
                          "--double-q-tiles", "16/4,4/1", "--interpret")

@@ -50,15 +50,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from jdqn.pallas.grn_tail import _row
 from jdqn.pallas.iqn import _pow2, _precision
 
 Array = jax.Array
 F32 = jnp.float32
 
-ROWS = 64  # rows of obs per program
+ROWS = 64  # rows of obs per program (both kernels)
 WARPS = 4
-GATE_ROWS = 64
-GATE_WARPS = 4
 
 
 def _act(matmul_dtype: str):
@@ -120,7 +119,7 @@ def eligible(obs: Array, width: int | None = None) -> bool:
         return False
     m, w = obs.shape
     pow2 = lambda n, hi: 16 <= n <= hi and n & (n - 1) == 0
-    return (m > 0 and m % ROWS == 0 and m % GATE_ROWS == 0 and pow2(w, 256)
+    return (m > 0 and m % ROWS == 0 and pow2(w, 256)
             and (width is None or pow2(width, 512)))
 
 
@@ -145,13 +144,9 @@ def _gate_kernel(obs_ref, w1_ref, b1_ref, w2_ref, b2_ref, logits_ref, gate_ref, 
     gate_ref[...] = e / jnp.sum(e, axis=1, keepdims=True)
 
 
-def _row(a: Array) -> Array:
-    return a.astype(F32).reshape(1, -1)
-
-
-def _weights(w: Array, act) -> Array:
-    # float32 weights go in as they are (the kernel's dot casts), bf16 ones cast once by XLA
-    return w.astype(act)
+def _whole(shape: tuple[int, int]) -> pl.BlockSpec:
+    """A parameter every program reads whole."""
+    return pl.BlockSpec(shape, lambda r: (0, 0))
 
 
 def _selection_call(obs, sel_w, sel_b, proj_w, proj_b, matmul_dtype, interpret, rows, warps):
@@ -160,18 +155,17 @@ def _selection_call(obs, sel_w, sel_b, proj_w, proj_b, matmul_dtype, interpret, 
     act = _act(matmul_dtype)
     bf16 = act == jnp.bfloat16
     chunk = min(h, 128)  # the input layer's columns per dot (bounds the registers it holds)
-    full = lambda shape: pl.BlockSpec(shape, lambda r: (0, 0))
     return pl.pallas_call(
         functools.partial(_selection_kernel, bf16=bf16, chunk=chunk),
         out_shape=jax.ShapeDtypeStruct((m, h), act),
         grid=(m // rows,),
-        in_specs=[pl.BlockSpec((rows, w), lambda r: (r, 0)), full((w, w)), full((1, w)),
-                  full((w, h)), full((1, h))],
+        in_specs=[pl.BlockSpec((rows, w), lambda r: (r, 0)), _whole((w, w)), _whole((1, w)),
+                  _whole((w, h)), _whole((1, h))],
         out_specs=pl.BlockSpec((rows, h), lambda r: (r, 0)),
         interpret=interpret,
         name="trunk_selection_input",
         compiler_params=pl_triton.CompilerParams(num_warps=warps),
-    )(obs, _weights(sel_w, act), _row(sel_b), _weights(proj_w, act), _row(proj_b))
+    )(obs, sel_w.astype(act), _row(sel_b), proj_w.astype(act), _row(proj_b))
 
 
 def _gate_call(obs, w1, b1, w2, b2, matmul_dtype, interpret, rows, warps):
@@ -179,31 +173,27 @@ def _gate_call(obs, w1, b1, w2, b2, matmul_dtype, interpret, rows, warps):
     g, k = w2.shape
     kp = _pow2(k)  # Triton's dots are at least 16 wide: zero columns, masked in the softmax
     act = _act(matmul_dtype)
-    full = lambda shape: pl.BlockSpec(shape, lambda r: (0, 0))
     block = pl.BlockSpec((rows, kp), lambda r: (r, 0))
     logits, gate = pl.pallas_call(
         functools.partial(_gate_kernel, bf16=act == jnp.bfloat16, k=k),
         out_shape=(jax.ShapeDtypeStruct((m, kp), F32),) * 2,
         grid=(m // rows,),
-        in_specs=[pl.BlockSpec((rows, w), lambda r: (r, 0)), full((w, g)), full((1, g)),
-                  full((g, kp)), full((1, kp))],
+        in_specs=[pl.BlockSpec((rows, w), lambda r: (r, 0)), _whole((w, g)), _whole((1, g)),
+                  _whole((g, kp)), _whole((1, kp))],
         out_specs=(block, block),
         interpret=interpret,
         name="trunk_moe_gate",
         compiler_params=pl_triton.CompilerParams(num_warps=warps),
-    )(obs, _weights(w1, act), _row(b1), _weights(jnp.pad(w2, ((0, 0), (0, kp - k))), act),
+    )(obs, w1.astype(act), _row(b1), jnp.pad(w2, ((0, 0), (0, kp - k))).astype(act),
       _row(jnp.pad(b2, (0, kp - k))))
     return logits[:, :k], gate[:, :k]
 
 
-def _no_derivative(name: str):
-    def rule(primals, tangents):
-        raise TypeError(
-            f"jdqn.pallas.trunk_input.{name}: the kernel has no derivative; a gradient was "
-            "asked through it. The trunk takes it only with grad_free=True (inputs and "
-            "parameters under stop_gradient); differentiate with impl='xla' or without the "
-            "'trunk_input_*' switch")
-    return rule
+def _refuse(name: str):
+    raise TypeError(
+        f"jdqn.pallas.trunk_input.{name}: the kernel has no derivative; a gradient was asked "
+        "through it. The trunk takes it only with grad_free=True (inputs and parameters under "
+        "stop_gradient); differentiate with impl='xla' or without the 'trunk_input_*' switch")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7, 8))
@@ -219,20 +209,12 @@ def selection_input(obs: Array, sel_w: Array, sel_b: Array, proj_w: Array, proj_
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7, 8))
 def gate(obs: Array, w1: Array, b1: Array, w2: Array, b2: Array,
-         matmul_dtype: str = "float32", interpret: bool = False, rows: int = GATE_ROWS,
-         warps: int = GATE_WARPS) -> tuple[Array, Array]:
+         matmul_dtype: str = "float32", interpret: bool = False, rows: int = ROWS,
+         warps: int = WARPS) -> tuple[Array, Array]:
     """:func:`gate_reference` as one kernel per ``rows`` rows of float32 ``obs`` (check
     :func:`eligible`): ``(logits, gate)`` [M, K] float32. No derivative."""
     return _gate_call(obs, w1, b1, w2, b2, matmul_dtype, interpret, rows, warps)
 
 
-def _raise_sel(matmul_dtype, interpret, rows, warps, primals, tangents):
-    _no_derivative("selection_input")(primals, tangents)
-
-
-def _raise_gate(matmul_dtype, interpret, rows, warps, primals, tangents):
-    _no_derivative("gate")(primals, tangents)
-
-
-selection_input.defjvp(_raise_sel)
-gate.defjvp(_raise_gate)
+selection_input.defjvp(lambda *_: _refuse("selection_input"))
+gate.defjvp(lambda *_: _refuse("gate"))
