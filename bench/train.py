@@ -53,12 +53,18 @@ from jdqn.train.state import seed_keys
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Timing probes (wrong results, never the model): "no_next_state" replaces the loss's forwards
-# at s′ (the online and target networks', through the double-Q kernel or not) by zeros of their
-# shapes, so the update runs without them — what they cost its wall time, where they run beside
-# the forward and backward at s under concurrent CUDA graphs (docs/model.md, "Where an update's
-# time goes"). JDQN_BENCH_PROBE sets it per variant under bench/ab.py (--env).
-PROBES = ("", "no_next_state")
+# Timing probes (wrong results, never the model), each removing one part of the update so its
+# A/B against the model says what that part costs the update's wall time — where parts run
+# beside each other under concurrent CUDA graphs, less than their kernels' sum (docs/model.md,
+# "Where an update's time goes"):
+# * "no_next_state": the loss's forwards at s′ (the online and target networks', through the
+#   double-Q kernel or not) become zeros of their shapes;
+# * "no_backward": the loss sees the online params through stop_gradient, so the gradients
+#   are zeros and XLA drops the backward pass (the forwards, loss, optimiser and replay stay);
+# * "no_network": the loss and its outputs become zeros of their shapes, leaving what is not
+#   the network (PER sampling, the observation gathers, AdamW, Polyak, priorities, checks).
+# JDQN_BENCH_PROBE sets one per variant under bench/ab.py (--env).
+PROBES = ("", "no_next_state", "no_backward", "no_network")
 
 
 def apply_probe(probe: str) -> None:
@@ -69,14 +75,24 @@ def apply_probe(probe: str) -> None:
         return
     from jdqn.losses import total
 
-    def standin(real):
-        def zeros_like_result(net, *args, **kw):
-            shapes = jax.eval_shape(lambda *a: real(net, *a, **kw), *args)
+    def zeros_of(real, n_static=0):  # the first n_static positional arguments are not arrays
+        def zeros_like_result(*args, **kw):
+            static = args[:n_static]
+            shapes = jax.eval_shape(lambda *a: real(*static, *a, **kw), *args[n_static:])
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return zeros_like_result
 
-    total.next_state_double_q = standin(total.next_state_double_q)
-    total.next_state_forwards = standin(total.next_state_forwards)
+    if probe == "no_next_state":  # their first argument is the network
+        total.next_state_double_q = zeros_of(total.next_state_double_q, 1)
+        total.next_state_forwards = zeros_of(total.next_state_forwards, 1)
+    elif probe == "no_backward":
+        real = epoch_lib.total_loss
+
+        def forward_only(params, *args, **kw):
+            return real(jax.lax.stop_gradient(params), *args, **kw)
+        epoch_lib.total_loss = forward_only
+    else:  # no_network
+        epoch_lib.total_loss = zeros_of(epoch_lib.total_loss)
 
 
 def _time(fn, repeats: int) -> float:
@@ -216,7 +232,8 @@ def main() -> None:
                     "full update before it is validated)")
     ap.add_argument("--probe", default=os.environ.get("JDQN_BENCH_PROBE", ""),
                     help="a timing probe that changes what the update computes (wrong "
-                    "results): 'no_next_state' drops the forwards at s′ (default: the "
+                    "results): 'no_next_state' drops the forwards at s′, 'no_backward' the "
+                    "backward pass, 'no_network' the whole loss (default: the "
                     "JDQN_BENCH_PROBE environment variable, else none)")
     ap.add_argument("--out", default="", help="also write the JSON to this file after every "
                     "section, so a run stopped by a time limit keeps its finished sections "

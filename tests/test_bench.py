@@ -87,7 +87,58 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
                                               init_moe_state(2), 0.5, net=net,
                                               train_cfg=TrainConfig())[0])
     with pytest.raises(SystemExit, match="--probe must be one of"):
-        train_bench.apply_probe("no_backward")
+        train_bench.apply_probe("no_forward")
+
+
+@pytest.mark.parametrize("probe", ["no_backward", "no_network"])
+def test_train_bench_probes_drop_the_backward_pass_or_the_whole_loss(monkeypatch, probe):
+    """``--probe no_backward``: the train step's loss keeps its value while its gradient is
+    zero (so XLA drops the backward pass); ``no_network``: the loss and every output are zeros
+    of their shapes. The train step's own ``total_loss`` is replaced and restored after."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import train as train_bench
+
+    from jdqn.config import ModelConfig, TrainConfig
+    from jdqn.losses import Batch, init_moe_state
+    from jdqn.networks.model import BranchingQNetwork, init_params
+    from jdqn.train import epoch as epoch_lib
+
+    monkeypatch.setattr(epoch_lib, "total_loss", epoch_lib.total_loss)
+    cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
+                      head_hidden=8, n_atoms=11, iqn=True)
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+    k = jax.random.split(jax.random.key(1), 7)
+    b, d = 16, len(cfg.branch_sizes)
+    batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
+                  action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
+                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    params, target = init_params(net, k[3], 12), init_params(net, k[4], 12)
+
+    def value_and_grad():
+        fn = jax.value_and_grad(epoch_lib.total_loss, has_aux=True)
+        (loss, aux), grads = fn(params, target, batch, k[5], init_moe_state(2), 0.5, net=net,
+                                train_cfg=TrainConfig())
+        return loss, aux, grads
+
+    def norm(tree):
+        return float(sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(tree)))
+
+    loss, aux, grads = value_and_grad()
+    assert norm(grads) > 0 and float(loss) != 0
+    train_bench.apply_probe(probe)
+    p_loss, p_aux, p_grads = value_and_grad()
+    assert jax.tree.structure(p_grads) == jax.tree.structure(grads)
+    assert norm(p_grads) == 0.0
+    if probe == "no_backward":
+        assert float(p_loss) == float(loss)
+    else:
+        assert float(p_loss) == 0.0 and norm(p_aux) == 0.0
+        assert jax.tree.structure(p_aux) == jax.tree.structure(aux)
 
 
 def test_profile_summary_counts_each_devices_busy_time_once():
