@@ -62,9 +62,16 @@ REPO = Path(__file__).resolve().parents[1]
 # * "no_backward": the loss sees the online params through stop_gradient, so the gradients
 #   are zeros and XLA drops the backward pass (the forwards, loss, optimiser and replay stay);
 # * "no_network": the loss and its outputs become zeros of their shapes, leaving what is not
-#   the network (PER sampling, the observation gathers, AdamW, Polyak, priorities, checks).
+#   the network (PER sampling, the observation gathers, AdamW, Polyak, priorities, checks);
+# * "no_loss": the TD (C51) and IQN loss terms become per-branch means of the online logits
+#   and quantiles plus the means of what they read at s′ (so the forwards there stay), which
+#   removes the projection, the cross-entropies and the quantile Huber loss, forward and
+#   backward, while the network's forwards and backward pass stay;
+# * "no_backward_grad_free": "no_backward" with the forward at s in its grad-free form (the
+#   kernels the forwards at s′ take), so against "no_backward" it prices the differentiable
+#   forward's form (its custom-VJP kernels, the residuals they write).
 # JDQN_BENCH_PROBE sets one per variant under bench/ab.py (--env).
-PROBES = ("", "no_next_state", "no_backward", "no_network")
+PROBES = ("", "no_next_state", "no_backward", "no_network", "no_loss", "no_backward_grad_free")
 
 
 def apply_probe(probe: str) -> None:
@@ -85,14 +92,58 @@ def apply_probe(probe: str) -> None:
     if probe == "no_next_state":  # their first argument is the network
         total.next_state_double_q = zeros_of(total.next_state_double_q, 1)
         total.next_state_forwards = zeros_of(total.next_state_forwards, 1)
-    elif probe == "no_backward":
+    elif probe in ("no_backward", "no_backward_grad_free"):
         real = epoch_lib.total_loss
 
-        def forward_only(params, *args, **kw):
-            return real(jax.lax.stop_gradient(params), *args, **kw)
+        def forward_only(params, *args, net, **kw):
+            if probe == "no_backward_grad_free":
+                net = _GradFree(net)
+            return real(jax.lax.stop_gradient(params), *args, net=net, **kw)
         epoch_lib.total_loss = forward_only
+    elif probe == "no_loss":
+        total.branching_td_loss_batch = _td_standin
+        total.branching_iqn_loss_batch = _iqn_standin
     else:  # no_network
         epoch_lib.total_loss = zeros_of(epoch_lib.total_loss)
+
+
+class _GradFree:
+    """The network with every ``apply`` grad-free (the ``no_backward_grad_free`` probe)."""
+
+    def __init__(self, net):
+        self._net = net
+
+    def __getattr__(self, name):
+        return getattr(self._net, name)
+
+    def apply(self, *args, **kw):
+        return self._net.apply(*args, **{"grad_free": True, **kw})
+
+
+def _mean_of(tree) -> jax.Array:
+    """One float32 scalar from every array of ``tree`` (None leaves skipped)."""
+    leaves = [jnp.mean(x.astype(jnp.float32)) for x in jax.tree.leaves(tree)]
+    return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def _branch_means(per_branch) -> jax.Array:
+    """[B, D]: each branch's online output averaged over its actions and atoms/quantiles."""
+    return jnp.stack([jnp.mean(x.astype(jnp.float32), axis=(1, 2)) for x in per_branch], 1)
+
+
+def _td_standin(logits, action, reward, discount, target_logits, q_selector, v_min, v_max,
+                alpha, impl="xla", next_probs=None):
+    """The ``no_loss`` probe's TD terms: what they read, reduced, in the loss's shapes."""
+    at_next = jax.lax.stop_gradient(_mean_of((target_logits, q_selector, next_probs)))
+    x = (_branch_means(logits) + at_next + jnp.mean(reward + discount)).astype(logits[0].dtype)
+    return {"td": x, "ce": x, "sq": x, "td_kl": x, "target_mean": x}
+
+
+def _iqn_standin(quantiles, taus, action, reward, discount, target_quantiles, q_selector,
+                 v_min, v_max, kappa=1.0, next_action=None):
+    """The ``no_loss`` probe's IQN term (as :func:`_td_standin`)."""
+    at_next = jax.lax.stop_gradient(_mean_of((target_quantiles, q_selector, next_action)))
+    return (_branch_means(quantiles) + at_next).astype(quantiles[0].dtype)
 
 
 def _time(fn, repeats: int) -> float:
@@ -233,7 +284,9 @@ def main() -> None:
     ap.add_argument("--probe", default=os.environ.get("JDQN_BENCH_PROBE", ""),
                     help="a timing probe that changes what the update computes (wrong "
                     "results): 'no_next_state' drops the forwards at s′, 'no_backward' the "
-                    "backward pass, 'no_network' the whole loss (default: the "
+                    "backward pass, 'no_network' the whole loss, 'no_loss' the loss terms "
+                    "(not the network), 'no_backward_grad_free' the backward pass with "
+                    "the forward at s grad-free (default: the "
                     "JDQN_BENCH_PROBE environment variable, else none)")
     ap.add_argument("--out", default="", help="also write the JSON to this file after every "
                     "section, so a run stopped by a time limit keeps its finished sections "

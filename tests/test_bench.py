@@ -90,11 +90,16 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
         train_bench.apply_probe("no_forward")
 
 
-@pytest.mark.parametrize("probe", ["no_backward", "no_network"])
-def test_train_bench_probes_drop_the_backward_pass_or_the_whole_loss(monkeypatch, probe):
-    """``--probe no_backward``: the train step's loss keeps its value while its gradient is
-    zero (so XLA drops the backward pass); ``no_network``: the loss and every output are zeros
-    of their shapes. The train step's own ``total_loss`` is replaced and restored after."""
+@pytest.mark.parametrize("probe", ["no_backward", "no_backward_grad_free", "no_network",
+                                   "no_loss"])
+def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monkeypatch, probe):
+    """The timing probes that change the train step's ``total_loss`` (replaced for the test
+    and restored after). ``no_backward``: the loss keeps its value while its gradient is zero
+    (so XLA drops the backward pass); ``no_backward_grad_free`` likewise, with the forward at s
+    grad-free (the same function, to rounding); ``no_network``: the loss and every output are
+    zeros of their shapes; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
+    differs, while the gradient still flows through the network and the forwards at s′ still
+    count (the loss reads the target network)."""
     import dataclasses
 
     import jax
@@ -104,41 +109,48 @@ def test_train_bench_probes_drop_the_backward_pass_or_the_whole_loss(monkeypatch
     import train as train_bench
 
     from jdqn.config import ModelConfig, TrainConfig
-    from jdqn.losses import Batch, init_moe_state
+    from jdqn.losses import Batch, init_moe_state, total
     from jdqn.networks.model import BranchingQNetwork, init_params
     from jdqn.train import epoch as epoch_lib
 
     monkeypatch.setattr(epoch_lib, "total_loss", epoch_lib.total_loss)
+    for name in ("branching_td_loss_batch", "branching_iqn_loss_batch"):
+        monkeypatch.setattr(total, name, getattr(total, name))
     cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
                       head_hidden=8, n_atoms=11, iqn=True)
     net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
-    k = jax.random.split(jax.random.key(1), 7)
+    k = jax.random.split(jax.random.key(1), 8)
     b, d = 16, len(cfg.branch_sizes)
     batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
                   action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
                   discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
     params, target = init_params(net, k[3], 12), init_params(net, k[4], 12)
+    other_target = init_params(net, k[6], 12)
 
-    def value_and_grad():
+    def value_and_grad(target):
         fn = jax.value_and_grad(epoch_lib.total_loss, has_aux=True)
         (loss, aux), grads = fn(params, target, batch, k[5], init_moe_state(2), 0.5, net=net,
                                 train_cfg=TrainConfig())
-        return loss, aux, grads
+        return float(loss), aux, grads
 
     def norm(tree):
         return float(sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(tree)))
 
-    loss, aux, grads = value_and_grad()
-    assert norm(grads) > 0 and float(loss) != 0
+    loss, aux, grads = value_and_grad(target)
+    assert norm(grads) > 0 and loss != 0
     train_bench.apply_probe(probe)
-    p_loss, p_aux, p_grads = value_and_grad()
+    p_loss, p_aux, p_grads = value_and_grad(target)
     assert jax.tree.structure(p_grads) == jax.tree.structure(grads)
-    assert norm(p_grads) == 0.0
+    assert jax.tree.structure(p_aux) == jax.tree.structure(aux)
     if probe == "no_backward":
-        assert float(p_loss) == float(loss)
-    else:
-        assert float(p_loss) == 0.0 and norm(p_aux) == 0.0
-        assert jax.tree.structure(p_aux) == jax.tree.structure(aux)
+        assert norm(p_grads) == 0.0 and p_loss == loss
+    elif probe == "no_backward_grad_free":
+        assert norm(p_grads) == 0.0 and p_loss == pytest.approx(loss, rel=1e-5)
+    elif probe == "no_network":
+        assert norm(p_grads) == 0.0 and p_loss == 0.0 and norm(p_aux) == 0.0
+    else:  # no_loss
+        assert norm(p_grads) > 0 and p_loss != pytest.approx(loss, rel=1e-3)
+        assert value_and_grad(other_target)[0] != p_loss  # the forwards at s′ still count
 
 
 def test_profile_summary_counts_each_devices_busy_time_once():
