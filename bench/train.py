@@ -69,9 +69,14 @@ REPO = Path(__file__).resolve().parents[1]
 #   backward, while the network's forwards and backward pass stay;
 # * "no_backward_grad_free": "no_backward" with the forward at s in its grad-free form (the
 #   kernels the forwards at s′ take), so against "no_backward" it prices the differentiable
-#   forward's form (its custom-VJP kernels, the residuals they write).
+#   forward's form (its custom-VJP kernels, the residuals they write);
+# * "no_q_diagnostics": the network's expected Q per action (NetOutput.q, which the update
+#   reads only for its Q statistics and finite check where the double-Q kernel selects at s′,
+#   as on the GPU) becomes zeros, so XLA drops the softmax-expectation pass over the online
+#   logits at s.
 # JDQN_BENCH_PROBE sets one per variant under bench/ab.py (--env).
-PROBES = ("", "no_next_state", "no_backward", "no_network", "no_loss", "no_backward_grad_free")
+PROBES = ("", "no_next_state", "no_backward", "no_network", "no_loss", "no_backward_grad_free",
+          "no_q_diagnostics")
 
 
 def apply_probe(probe: str) -> None:
@@ -100,6 +105,10 @@ def apply_probe(probe: str) -> None:
                 net = _GradFree(net)
             return real(jax.lax.stop_gradient(params), *args, net=net, **kw)
         epoch_lib.total_loss = forward_only
+    elif probe == "no_q_diagnostics":
+        from jdqn.networks import model
+
+        model.expected_q = lambda logits, support: jnp.zeros(logits.shape[:-1], logits.dtype)
     elif probe == "no_loss":
         total.branching_td_loss_batch = _td_standin
         total.branching_iqn_loss_batch = _iqn_standin
@@ -286,7 +295,8 @@ def main() -> None:
                     "results): 'no_next_state' drops the forwards at s′, 'no_backward' the "
                     "backward pass, 'no_network' the whole loss, 'no_loss' the loss terms "
                     "(not the network), 'no_backward_grad_free' the backward pass with "
-                    "the forward at s grad-free (default: the "
+                    "the forward at s grad-free, 'no_q_diagnostics' the expected Q of every "
+                    "action at s (default: the "
                     "JDQN_BENCH_PROBE environment variable, else none)")
     ap.add_argument("--out", default="", help="also write the JSON to this file after every "
                     "section, so a run stopped by a time limit keeps its finished sections "

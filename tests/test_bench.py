@@ -91,13 +91,14 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
 
 
 @pytest.mark.parametrize("probe", ["no_backward", "no_backward_grad_free", "no_network",
-                                   "no_loss"])
+                                   "no_loss", "no_q_diagnostics"])
 def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monkeypatch, probe):
     """The timing probes that change the train step's ``total_loss`` (replaced for the test
     and restored after). ``no_backward``: the loss keeps its value while its gradient is zero
     (so XLA drops the backward pass); ``no_backward_grad_free`` likewise, with the forward at s
     grad-free (the same function, to rounding); ``no_network``: the loss and every output are
-    zeros of their shapes; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
+    zeros of their shapes; ``no_q_diagnostics``: the loss and gradient as they were, the Q
+    statistics zeros; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
     differs, while the gradient still flows through the network and the forwards at s′ still
     count (the loss reads the target network)."""
     import dataclasses
@@ -116,9 +117,14 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
     monkeypatch.setattr(epoch_lib, "total_loss", epoch_lib.total_loss)
     for name in ("branching_td_loss_batch", "branching_iqn_loss_batch"):
         monkeypatch.setattr(total, name, getattr(total, name))
+    from jdqn.networks import model
+    monkeypatch.setattr(model, "expected_q", model.expected_q)
     cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
-                      head_hidden=8, n_atoms=11, iqn=True)
-    net = BranchingQNetwork(dataclasses.replace(cfg, impl="xla"))
+                      head_hidden=8, n_atoms=11, iqn=True, fuse_next_obs=False)  # gpu.toml's
+    # no_q_diagnostics as on the GPU: the double-Q kernel selects at s′ from the heads'
+    # products, so the online expected Q is read only by the Q statistics
+    impl = "pallas" if probe == "no_q_diagnostics" else "xla"
+    net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
     k = jax.random.split(jax.random.key(1), 8)
     b, d = 16, len(cfg.branch_sizes)
     batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
@@ -148,6 +154,11 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
         assert norm(p_grads) == 0.0 and p_loss == pytest.approx(loss, rel=1e-5)
     elif probe == "no_network":
         assert norm(p_grads) == 0.0 and p_loss == 0.0 and norm(p_aux) == 0.0
+    elif probe == "no_q_diagnostics":  # the loss and gradient as before, the Q statistics 0
+        assert p_loss == loss and norm(p_grads) == norm(grads)
+        diag, p_diag = aux[3], p_aux[3]
+        assert norm(diag["q_mean"]) > 0 and norm(p_diag["q_mean"]) == 0.0
+        assert norm(p_diag["q_std"]) == 0.0
     else:  # no_loss
         assert norm(p_grads) > 0 and p_loss != pytest.approx(loss, rel=1e-3)
         assert value_and_grad(other_target)[0] != p_loss  # the forwards at s′ still count
