@@ -46,34 +46,43 @@ def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     assert printed["gpu_graphs_resolved"] == "concurrent" and printed["compiler_options"] is None
 
 
+def _probe_case(impl: str, seed: int):
+    """A small network in gpu.toml's layout (online at s, the forwards at s′ apart) with
+    ``impl``, a batch of 16 transitions for it, and 8 keys (k[0..2] drew the batch)."""
+
+    import jax
+    import jax.numpy as jnp
+
+    from jdqn.config import ModelConfig
+    from jdqn.losses import Batch
+    from jdqn.networks.model import BranchingQNetwork
+
+    cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
+                      head_hidden=8, n_atoms=11, iqn=True, fuse_next_obs=False, impl=impl)
+    k = jax.random.split(jax.random.key(seed), 8)
+    b, d = 16, len(cfg.branch_sizes)
+    batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
+                  action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
+                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    return BranchingQNetwork(cfg), batch, k
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
     """``--probe no_next_state`` (a timing probe, wrong results): the loss no longer reads the
     target network — the forwards at s′ are gone, through the double-Q kernel (``"pallas"``)
     or not — while the forward at s still sets it; without the probe the target matters. An
     unknown probe is refused by name."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
     sys.path.insert(0, str(REPO / "bench"))
     import train as train_bench
 
-    from jdqn.config import ModelConfig, TrainConfig
-    from jdqn.losses import Batch, init_moe_state, total
-    from jdqn.networks.model import BranchingQNetwork, init_params
+    from jdqn.config import TrainConfig
+    from jdqn.losses import init_moe_state, total
+    from jdqn.networks.model import init_params
 
     for name in ("next_state_double_q", "next_state_forwards"):  # restored after the test
         monkeypatch.setattr(total, name, getattr(total, name))
-    cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
-                      head_hidden=8, n_atoms=11, iqn=True, fuse_next_obs=False)
-    net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
-    k = jax.random.split(jax.random.key(0), 8)
-    b, d = 16, len(cfg.branch_sizes)
-    batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
-                  action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
-                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    net, batch, k = _probe_case(impl, 0)
     params, t1, t2 = (init_params(net, key, 12) for key in k[3:6])
 
     def loss(target):
@@ -101,35 +110,25 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
     statistics zeros; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
     differs, while the gradient still flows through the network and the forwards at s′ still
     count (the loss reads the target network)."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
     sys.path.insert(0, str(REPO / "bench"))
     import train as train_bench
 
-    from jdqn.config import ModelConfig, TrainConfig
-    from jdqn.losses import Batch, init_moe_state, total
-    from jdqn.networks.model import BranchingQNetwork, init_params
+    from jdqn.config import TrainConfig
+    from jdqn.losses import init_moe_state, total
+    from jdqn.networks import model
+    from jdqn.networks.model import init_params
     from jdqn.train import epoch as epoch_lib
 
     monkeypatch.setattr(epoch_lib, "total_loss", epoch_lib.total_loss)
     for name in ("branching_td_loss_batch", "branching_iqn_loss_batch"):
         monkeypatch.setattr(total, name, getattr(total, name))
-    from jdqn.networks import model
     monkeypatch.setattr(model, "expected_q", model.expected_q)
-    cfg = ModelConfig(width=16, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
-                      head_hidden=8, n_atoms=11, iqn=True, fuse_next_obs=False)  # gpu.toml's
     # no_q_diagnostics as on the GPU: the double-Q kernel selects at s′ from the heads'
     # products, so the online expected Q is read only by the Q statistics
-    impl = "pallas" if probe == "no_q_diagnostics" else "xla"
-    net = BranchingQNetwork(dataclasses.replace(cfg, impl=impl))
-    k = jax.random.split(jax.random.key(1), 8)
-    b, d = 16, len(cfg.branch_sizes)
-    batch = Batch(obs=jax.random.normal(k[0], (b, 12)), next_obs=jax.random.normal(k[1], (b, 12)),
-                  action=jax.random.randint(k[2], (b, d), 0, 2), reward=jnp.ones((b,)),
-                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    net, batch, k = _probe_case("pallas" if probe == "no_q_diagnostics" else "xla", 1)
     params, target = init_params(net, k[3], 12), init_params(net, k[4], 12)
     other_target = init_params(net, k[6], 12)
 
