@@ -70,10 +70,10 @@ REPO = Path(__file__).resolve().parents[1]
 # * "no_backward_grad_free": "no_backward" with the forward at s in its grad-free form (the
 #   kernels the forwards at s′ take), so against "no_backward" it prices the differentiable
 #   forward's form (its custom-VJP kernels, the residuals they write);
-# * "no_q_diagnostics": the network's expected Q per action (NetOutput.q, which the update
-#   reads only for its Q statistics and finite check where the double-Q kernel selects at s′,
-#   as on the GPU) becomes zeros, so XLA drops the softmax-expectation pass over the online
-#   logits at s.
+# * "no_q_diagnostics": the expected Q per action behind the update's Q statistics (over
+#   `train.q_stats_rows` sampled rows of the online logits at s; every row before 2026-12-06,
+#   when this probe priced that at 31 µs bf16 / 58 µs float32) becomes zeros, so XLA drops
+#   its softmax-expectation pass.
 # JDQN_BENCH_PROBE sets one per variant under bench/ab.py (--env).
 PROBES = ("", "no_next_state", "no_backward", "no_network", "no_loss", "no_backward_grad_free",
           "no_q_diagnostics")
@@ -106,9 +106,7 @@ def apply_probe(probe: str) -> None:
             return real(jax.lax.stop_gradient(params), *args, net=net, **kw)
         epoch_lib.total_loss = forward_only
     elif probe == "no_q_diagnostics":
-        from jdqn.networks import model
-
-        model.expected_q = lambda logits, support: jnp.zeros(logits.shape[:-1], logits.dtype)
+        total.expected_q = lambda logits, support: jnp.zeros(logits.shape[:-1], logits.dtype)
     elif probe == "no_loss":
         total.branching_td_loss_batch = _td_standin
         total.branching_iqn_loss_batch = _iqn_standin
@@ -145,7 +143,8 @@ def _td_standin(logits, action, reward, discount, target_logits, q_selector, v_m
     """The ``no_loss`` probe's TD terms: what they read, reduced, in the loss's shapes."""
     at_next = jax.lax.stop_gradient(_mean_of((target_logits, q_selector, next_probs)))
     x = (_branch_means(logits) + at_next + jnp.mean(reward + discount)).astype(logits[0].dtype)
-    return {"td": x, "ce": x, "sq": x, "td_kl": x, "target_mean": x}
+    return {"td": x, "ce": x, "sq": x, "td_kl": x, "target_mean": x,
+            "logits_finite": jnp.isfinite(x)}
 
 
 def _iqn_standin(quantiles, taus, action, reward, discount, target_quantiles, q_selector,

@@ -118,16 +118,15 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
 
     from jdqn.config import TrainConfig
     from jdqn.losses import init_moe_state, total
-    from jdqn.networks import model
     from jdqn.networks.model import init_params
     from jdqn.train import epoch as epoch_lib
 
     monkeypatch.setattr(epoch_lib, "total_loss", epoch_lib.total_loss)
     for name in ("branching_td_loss_batch", "branching_iqn_loss_batch"):
         monkeypatch.setattr(total, name, getattr(total, name))
-    monkeypatch.setattr(model, "expected_q", model.expected_q)
-    # no_q_diagnostics as on the GPU: the double-Q kernel selects at s′ from the heads'
-    # products, so the online expected Q is read only by the Q statistics
+    monkeypatch.setattr(total, "expected_q", total.expected_q)
+    # no_q_diagnostics in gpu.toml's layout: the double-Q kernel selects at s′ from the heads'
+    # products
     net, batch, k = _probe_case("pallas" if probe == "no_q_diagnostics" else "xla", 1)
     params, target = init_params(net, k[3], 12), init_params(net, k[4], 12)
     other_target = init_params(net, k[6], 12)

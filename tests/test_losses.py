@@ -434,6 +434,43 @@ def test_total_loss_shapes_components_and_importance_weights(online, target):
     assert moe_state.entropy_ema.shape == ()
 
 
+def test_q_statistics_read_a_systematic_sample_and_every_rows_logits_are_checked(online,
+                                                                                  target):
+    """``train.q_stats_rows``: a batch larger than it has its Q statistics (mean, spread, the
+    direction's gap) from every ``B // q_stats_rows``-th row of the online logits at s — the
+    same numbers as the full batch's statistics over those rows — and 0 means every row;
+    the loss is untouched. ``logits_finite`` still covers every row: a NaN planted in a row the
+    sample skips is not in the statistics but is reported."""
+    from jdqn.losses.total import q_stats_stride
+    from jdqn.networks.heads import DIRECTION, expected_q, make_support, q_gap
+
+    assert [q_stats_stride(16, r) for r in (0, 4, 5, 16, 32)] == [1, 4, 3, 1, 1]
+    batch = _batch()
+    args = (online, target, batch, jax.random.key(0), init_moe_state(3), 0.5)
+
+    def run(rows, b=batch):
+        return jax.jit(functools.partial(total_loss, net=NET, train_cfg=dataclasses.replace(
+            TRAIN, q_stats_rows=rows)))(args[0], args[1], b, *args[3:])
+
+    loss0, (_, _, _, full) = run(0)
+    loss4, (_, _, _, sampled) = run(4)
+    assert float(loss0) == float(loss4)
+    out = NET.apply(online, batch.obs)
+    support = make_support(SMALL.v_min, SMALL.v_max, SMALL.n_atoms)
+    q_all = [expected_q(lg, support) for lg in out.logits]
+    for stats, rows in ((full, slice(None)), (sampled, slice(None, None, 4))):
+        q = [x[rows] for x in q_all]
+        np.testing.assert_allclose(stats["q_mean"], [jnp.mean(x) for x in q], rtol=1e-5)
+        np.testing.assert_allclose(stats["q_std"], [jnp.std(x) for x in q], rtol=1e-5)
+        np.testing.assert_allclose(stats["q_gap"], jnp.mean(q_gap(q[DIRECTION])), rtol=1e-5)
+    assert not np.allclose(full["q_mean"], sampled["q_mean"], rtol=1e-3)  # 16 rows, not 4
+    assert bool(full["logits_finite"]) and bool(sampled["logits_finite"])
+    bad = batch._replace(obs=batch.obs.at[5, 0].set(jnp.nan))  # row 5: not in rows 0, 4, 8, 12
+    _, (_, _, _, diag) = run(4, bad)
+    assert np.all(np.isfinite(diag["q_mean"])) and np.all(np.isfinite(diag["q_std"]))
+    assert not bool(diag["logits_finite"])
+
+
 @pytest.mark.parametrize("mode,groups,fuse", [("batch", 1, True), ("batch", 4, True),
                                                ("batch", 4, False), ("sample", 1, True)],
                          ids=["shared", "groups", "groups_twin", "per_sample"])

@@ -384,6 +384,35 @@ def test_nan_in_a_reward_halts_naming_rewards():
         _run_epoch_with(tiny_config("train.iters_per_epoch=2"), mutate_env=poison)
 
 
+def test_an_update_with_non_finite_taken_logits_halts_naming_logits(monkeypatch):
+    """The update's ``logits`` check reads the Q statistics (a sample of rows) and the loss's
+    ``logits_finite`` (every row's taken-action logits): with finite Q statistics and that flag
+    down, the update's monitor names ``logits`` at its step; the flag is not a logged metric."""
+    from jdqn.train import epoch as epoch_lib
+    from jdqn.train.state import CHECKED_TENSORS
+
+    p, env_params, state = _setup(tiny_config())
+    one = jax.tree.map(lambda x: x[0], state)
+    real = epoch_lib.total_loss
+
+    def step(flag):
+        def loss(*a, **k):
+            value, (comps, per_sample, moe, diag) = real(*a, **k)
+            return value, (comps, per_sample, moe, {**diag, "logits_finite": jnp.bool_(flag)})
+
+        monkeypatch.setattr(epoch_lib, "total_loss", loss)
+        return jax.jit(lambda s: epoch_lib.train_step(p.learner, s, env_params,
+                                                      jnp.asarray(2, jnp.int32)))(one)
+
+    ok, metrics = step(True)
+    assert not bool(ok.monitor.halted) and "logits_finite" not in metrics
+    assert np.all(np.isfinite(np.asarray(metrics["q_mean"])))
+    bad, _ = step(False)
+    assert bool(bad.monitor.halted) and int(bad.monitor.fold) == 2
+    assert CHECKED_TENSORS[int(bad.monitor.tensor)] == "logits"
+    assert int(bad.monitor.step) == int(one.update_step)
+
+
 def test_finite_checks_can_be_switched_off():
     def poison(state):
         leaves, tree = jax.tree.flatten(state.params)

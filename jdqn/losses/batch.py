@@ -75,8 +75,12 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
 
     logits, target_logits: per branch [B, A_d, Z]; action int [B, D]; reward, discount [B];
     q_selector: per branch [B, A_d] (online expected Q at s′). Returns a dict of [B, D]:
-    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean`` and ``td_kl`` (the blend with the
-    cross-entropy's KL form, ``ce − H(m)``: the priorities' term). ``impl`` (``ModelConfig.impl``)
+    ``td`` (warm-up blend), ``sq``, ``ce``, ``target_mean``, ``td_kl`` (the blend with the
+    cross-entropy's KL form, ``ce − H(m)``: the priorities' term) and ``logits_finite`` (bool:
+    every atom of the taken action's logits is finite; the update's finite check reads it. A
+    non-finite value in the head's inputs or weights reaches every action of the branch and
+    row, the advantage weights being centred over the actions; an overflow in one action's
+    product alone would not). ``impl`` (``ModelConfig.impl``)
     selects the implementation of the loss terms and of the projection (see :mod:`jdqn.pallas`).
     ``next_probs`` [B, D, ≥ Z] (zero beyond Z): the target's distribution at the double-Q
     action, already selected (:func:`jdqn.pallas.double_q.double_q_next`); then
@@ -98,7 +102,8 @@ def branching_td_loss_batch(logits: tuple[Array, ...], action: Array, reward: Ar
                                         impl, next_probs)
     td = (1.0 - alpha) * sq + alpha * ce
     return {"td": td, "sq": sq, "ce": ce, "target_mean": target_mean,
-            "td_kl": (1.0 - alpha) * sq + alpha * kl}
+            "td_kl": (1.0 - alpha) * sq + alpha * kl,
+            "logits_finite": jnp.all(jnp.isfinite(jax.lax.stop_gradient(taken)), axis=-1)}
 
 
 def branching_iqn_loss_batch(quantiles: tuple[Array, ...], taus: Array, action: Array,
