@@ -74,9 +74,14 @@ REPO = Path(__file__).resolve().parents[1]
 #   `train.q_stats_rows` sampled rows of the online logits at s; every row before 2026-12-06,
 #   when this probe priced that at 31 µs bf16 / 58 µs float32) becomes zeros, so XLA drops
 #   its softmax-expectation pass.
+# * "no_diagnostics": every diagnostic the loss returns (the Q statistics, target means, TD
+#   per branch, the gate's utilisation and entropies, λ_eff) and its components other than
+#   the two loss terms (c51, mse) become zeros (the taken logits' finite flag: true), so XLA
+#   drops what only they read; what is left for the update's metrics is the loss terms, the
+#   gradient norm, β and α. Prices the per-update metrics beside the Q statistics.
 # JDQN_BENCH_PROBE sets one per variant under bench/ab.py (--env).
 PROBES = ("", "no_next_state", "no_backward", "no_network", "no_loss", "no_backward_grad_free",
-          "no_q_diagnostics")
+          "no_q_diagnostics", "no_diagnostics")
 
 
 def apply_probe(probe: str) -> None:
@@ -105,6 +110,17 @@ def apply_probe(probe: str) -> None:
                 net = _GradFree(net)
             return real(jax.lax.stop_gradient(params), *args, net=net, **kw)
         epoch_lib.total_loss = forward_only
+    elif probe == "no_diagnostics":
+        real = epoch_lib.total_loss
+
+        def without_diagnostics(*args, **kw):
+            loss, (comps, per_sample, moe, diag) = real(*args, **kw)
+            zero = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+            comps = {k: v if k in ("td", "iqn", "moe_balance", "total") else zero(v)
+                     for k, v in comps.items()}
+            diag = {**zero(diag), "logits_finite": jnp.bool_(True)}
+            return loss, (comps, per_sample, moe, diag)
+        epoch_lib.total_loss = without_diagnostics
     elif probe == "no_q_diagnostics":
         total.expected_q = lambda logits, support: jnp.zeros(logits.shape[:-1], logits.dtype)
     elif probe == "no_loss":

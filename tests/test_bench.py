@@ -100,14 +100,15 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
 
 
 @pytest.mark.parametrize("probe", ["no_backward", "no_backward_grad_free", "no_network",
-                                   "no_loss", "no_q_diagnostics"])
+                                   "no_loss", "no_q_diagnostics", "no_diagnostics"])
 def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monkeypatch, probe):
     """The timing probes that change the train step's ``total_loss`` (replaced for the test
     and restored after). ``no_backward``: the loss keeps its value while its gradient is zero
     (so XLA drops the backward pass); ``no_backward_grad_free`` likewise, with the forward at s
     grad-free (the same function, to rounding); ``no_network``: the loss and every output are
     zeros of their shapes; ``no_q_diagnostics``: the loss and gradient as they were, the Q
-    statistics zeros; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
+    statistics zeros; ``no_diagnostics``: the loss, its terms and gradient as they were, every
+    diagnostic and the c51/mse components zeros, the logits flag up; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
     differs, while the gradient still flows through the network and the forwards at s′ still
     count (the loss reads the target network)."""
     import jax
@@ -157,6 +158,13 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
         diag, p_diag = aux[3], p_aux[3]
         assert norm(diag["q_mean"]) > 0 and norm(p_diag["q_mean"]) == 0.0
         assert norm(p_diag["q_std"]) == 0.0
+    elif probe == "no_diagnostics":
+        assert p_loss == loss and norm(p_grads) == norm(grads)
+        comps, p_comps, diag, p_diag = aux[0], p_aux[0], aux[3], p_aux[3]
+        assert {k for k in comps if float(p_comps[k]) != float(comps[k])} == {"c51", "mse"}
+        assert norm(p_comps["c51"]) == norm(p_comps["mse"]) == 0.0
+        assert bool(p_diag.pop("logits_finite")) and bool(diag.pop("logits_finite"))
+        assert norm(diag) > 0 and norm(p_diag) == 0.0
     else:  # no_loss
         assert norm(p_grads) > 0 and p_loss != pytest.approx(loss, rel=1e-3)
         assert value_and_grad(other_target)[0] != p_loss  # the forwards at s′ still count
