@@ -73,6 +73,8 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
     target network — the forwards at s′ are gone, through the double-Q kernel (``"pallas"``)
     or not — while the forward at s still sets it; without the probe the target matters. An
     unknown probe is refused by name."""
+    import jax
+
     sys.path.insert(0, str(REPO / "bench"))
     import train as train_bench
 
@@ -85,16 +87,16 @@ def test_train_bench_probe_drops_the_forwards_at_s_prime(monkeypatch, impl):
     net, batch, k = _probe_case(impl, 0)
     params, t1, t2 = (init_params(net, key, 12) for key in k[3:6])
 
-    def loss(target):
-        return float(total.total_loss(params, target, batch, k[6], init_moe_state(2), 0.5,
-                                      net=net, train_cfg=TrainConfig())[0])
+    def traced():  # a fresh jit: traced again after the probe patches the loss
+        return jax.jit(lambda p, t: total.total_loss(p, t, batch, k[6], init_moe_state(2), 0.5,
+                                                     net=net, train_cfg=TrainConfig())[0])
 
-    assert loss(t1) != loss(t2)
+    loss = traced()
+    assert float(loss(params, t1)) != float(loss(params, t2))
     train_bench.apply_probe("no_next_state")
-    assert loss(t1) == loss(t2)
-    assert loss(t1) != float(total.total_loss(init_params(net, k[7], 12), t1, batch, k[6],
-                                              init_moe_state(2), 0.5, net=net,
-                                              train_cfg=TrainConfig())[0])
+    loss = traced()
+    assert float(loss(params, t1)) == float(loss(params, t2))
+    assert float(loss(params, t1)) != float(loss(init_params(net, k[7], 12), t1))
     with pytest.raises(SystemExit, match="--probe must be one of"):
         train_bench.apply_probe("no_forward")
 
@@ -132,10 +134,11 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
     params, target = init_params(net, k[3], 12), init_params(net, k[4], 12)
     other_target = init_params(net, k[6], 12)
 
-    def value_and_grad(target):
-        fn = jax.value_and_grad(epoch_lib.total_loss, has_aux=True)
-        (loss, aux), grads = fn(params, target, batch, k[5], init_moe_state(2), 0.5, net=net,
-                                train_cfg=TrainConfig())
+    def value_and_grad(target):  # a fresh jit each call: traced with the loss as patched now
+        fn = jax.jit(jax.value_and_grad(
+            lambda p, t: epoch_lib.total_loss(p, t, batch, k[5], init_moe_state(2), 0.5,
+                                              net=net, train_cfg=TrainConfig()), has_aux=True))
+        (loss, aux), grads = fn(params, target)
         return float(loss), aux, grads
 
     def norm(tree):
