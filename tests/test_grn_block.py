@@ -295,8 +295,8 @@ def test_the_update_loss_runs_the_kernel_in_the_grad_free_forwards_at_s_prime(
     # the target network's parameters reach the kernel under stop_gradient in every layout:
     # a gradient with respect to them is zero, as on XLA's path, not the kernel's refusal
     one = jax.tree.map(lambda a: a[0], params)
-    zero = jax.grad(lambda t: total_loss(one, t, batch, k[5], init_moe_state(3), 0.5, net=net,
-                                         train_cfg=TrainConfig())[0])(
+    zero = jax.jit(jax.grad(lambda t: total_loss(one, t, batch, k[5], init_moe_state(3), 0.5,
+                                                 net=net, train_cfg=TrainConfig())[0]))(
         jax.tree.map(lambda a: a[0], target))
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(zero))
 
