@@ -110,9 +110,9 @@ def test_train_bench_probes_drop_the_backward_pass_the_loss_or_the_network(monke
     grad-free (the same function, to rounding); ``no_network``: the loss and every output are
     zeros of their shapes; ``no_q_diagnostics``: the loss and gradient as they were, the Q
     statistics zeros; ``no_diagnostics``: the loss, its terms and gradient as they were, every
-    diagnostic and the c51/mse components zeros, the logits flag up; ``no_loss``: the TD and IQN terms are stand-ins, so the loss
-    differs, while the gradient still flows through the network and the forwards at s′ still
-    count (the loss reads the target network)."""
+    diagnostic and the c51/mse components zeros, the logits flag up; ``no_loss``: the TD and
+    IQN terms are stand-ins, so the loss differs, while the gradient still flows through the
+    network and the forwards at s′ still count (the loss reads the target network)."""
     import jax
     import jax.numpy as jnp
 
