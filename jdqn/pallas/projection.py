@@ -37,7 +37,10 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
   transposes included) gave 64.8–67.0 µs at **16 samples and 4 warps** against 75.7–79.8 at
   32 and 4 (62.1 at 32 and 8; 8 samples or 1–2 warps slower), the same bits, so the layout
   takes 16 (``LANES_SAMPLES_PER_PROGRAM``; the update: 2.807 / 2.816 against 2.845 / 2.825
-  ms, ``train_h200_f32_projection_lanes16_ab_console.json``).
+  ms, ``train_h200_f32_projection_lanes16_ab_console.json``). Storing ``m`` in the row layout
+  instead, by transposing the accumulators in registers before the store (the loss then needs
+  no transposes, 64 µs of them in a bf16 profile), made the update 1.2–1.4 ms *slower* on an
+  H100 (``train_h100_{bf16,f32}_projection_row_output_rejected_ab.json``): rejected.
 * ``"rows"``: samples along the block's rows; each step of the j-loop loads the column
   ``x[:, j]`` (a strided load of one float per row, uncoalesced). Kept as the measured
   alternative.
