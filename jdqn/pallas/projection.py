@@ -40,7 +40,9 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
   ms, ``train_h200_f32_projection_lanes16_ab_console.json``). Storing ``m`` in the row layout
   instead, by transposing the accumulators in registers before the store (the loss then needs
   no transposes, 64 µs of them in a bf16 profile), made the update 1.2–1.4 ms *slower* on an
-  H100 (``train_h100_{bf16,f32}_projection_row_output_rejected_ab.json``): rejected.
+  H100 (``train_h100_{bf16,f32}_projection_row_output_rejected_ab.json``), and storing them
+  element by element through index arrays 32–90 µs slower
+  (``…_projection_row_store_rejected_ab.json``): both rejected.
 * ``"rows"``: samples along the block's rows; each step of the j-loop loads the column
   ``x[:, j]`` (a strided load of one float per row, uncoalesced). Kept as the measured
   alternative.
