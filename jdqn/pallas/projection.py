@@ -42,7 +42,9 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
   no transposes, 64 µs of them in a bf16 profile), made the update 1.2–1.4 ms *slower* on an
   H100 (``train_h100_{bf16,f32}_projection_row_output_rejected_ab.json``), and storing them
   element by element through index arrays 32–90 µs slower
-  (``…_projection_row_store_rejected_ab.json``): both rejected.
+  (``…_projection_row_store_rejected_ab.json``): both rejected. Nor did the other side pay:
+  the loss reading ``mᵀ`` as written, with the online logits computed batch-minor
+  (``[A_d, Z, B]``), was 47–59 µs slower (``…_c51_loss_batch_minor_rejected_ab.json``).
 * ``"rows"``: samples along the block's rows; each step of the j-loop loads the column
   ``x[:, j]`` (a strided load of one float per row, uncoalesced). Kept as the measured
   alternative.
