@@ -208,6 +208,33 @@ def test_expected_q_variance_and_gap_match_numpy():
     np.testing.assert_allclose(q_gap(jnp.asarray(mean)), srt[:, -1] - srt[:, -2], atol=1e-6)
 
 
+def test_expected_q_is_softmax_weighted_support_at_any_offset_with_masked_atoms_and_its_grad():
+    """``expected_q`` sums ``e·z`` and ``e`` in one pass (``e = exp(x − max)``) instead of
+    normalising first: the same ``Σ softmax(x)·z`` as float64's, at logits offset by ±300
+    (float32's exp alone would overflow or vanish), with atoms at −inf (weight 0), and with
+    the gradient ``p·(z − E[Q])``."""
+    k = jax.random.split(jax.random.key(5), 2)
+    z = make_support(-10.0, 10.0, 51)
+    base = np.asarray(jax.random.normal(k[0], (7, 3, 51)) * 4, np.float64)
+    base[0, 0, 5:] = -np.inf  # only the first five atoms carry weight
+    for offset in (0.0, 300.0, -300.0):
+        x = (base + offset).astype(np.float32).astype(np.float64)  # what float32 holds
+        p = np.exp(x - x.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want = (p * np.asarray(z, np.float64)).sum(-1)
+        got = expected_q(jnp.asarray(x, jnp.float32), z)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-5)
+        assert float(got[0, 0]) <= float(z[4]) + 1e-5  # the masked atoms' values never enter
+    with x64():
+        x = jnp.asarray(base[1:])
+        z64 = jnp.asarray(z, jnp.float64)
+        cot = jax.random.normal(k[1], x.shape[:-1], jnp.float64)
+        grad = jax.grad(lambda v: jnp.sum(cot * expected_q(v, z64)))(x)
+        p = jax.nn.softmax(x, -1)
+        q = jnp.sum(p * z64, -1, keepdims=True)
+        np.testing.assert_allclose(grad, cot[..., None] * p * (z64 - q), rtol=1e-10, atol=1e-12)
+
+
 def test_policy_aux_gives_direction_gap_and_variance_of_chosen_direction(params):
     out = APPLY(params, _obs(), TAUS)
     direction = jnp.array([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)

@@ -20,8 +20,8 @@ from jdqn.config import ConfigError, ModelConfig, TrainConfig, config_from_dict
 from jdqn.losses import init_moe_state, total_loss
 from jdqn.losses.batch import project_uniform
 from jdqn.networks import BranchingQNetwork, init_params
+from jdqn.pallas import c51_terms, use_pallas
 from jdqn.pallas import project_uniform as project_dispatch
-from jdqn.pallas import use_pallas
 from jdqn.pallas.projection import ROWS_PER_PROGRAM, project_uniform_pallas
 
 
@@ -114,6 +114,44 @@ def _c51_terms_and_grad(impl: str):
         return f(taken), jax.grad(weighted)(taken)
 
     return run
+
+
+def test_c51_terms_in_two_passes_are_the_textbook_terms_at_large_logits():
+    """The XLA path's terms (:func:`jdqn.pallas.c51_terms`: the cross-entropy as
+    ``Σm·log Σe − Σ m·(x − max)``, the expectation as ``Σ e·z / Σ e``, two passes over the
+    logits) against the textbook ``−Σ m·log_softmax(x)``, ``Σ softmax(x)·z`` in float64 — values
+    and gradients, with logits spread over ±60 and offset by 200, and near-one-hot targets."""
+    b, d, z, v_min, v_max = 33, 4, 51, -25.0, 10.0
+    tz, _ = _inputs(b, d, z, v_min, v_max, "random", seed=7)
+    taken, nxt = _logits(b, d, z, seed=8)
+    taken = (taken * 30.0 + 200.0).astype(np.float32)
+    cot = np.random.default_rng(9).normal(size=(4, b, d))
+
+    def textbook(x, target):
+        support = jnp.linspace(v_min, v_max, z, dtype=jnp.float64)
+        logp = jax.nn.log_softmax(x, axis=-1)
+        ce = -jnp.sum(target * logp, -1)
+        tm = jnp.sum(target * support, -1)
+        q = jnp.sum(jnp.exp(logp) * support, -1)
+        return jnp.square(q - tm), ce, tm, ce + jnp.sum(jax.scipy.special.xlogy(target, target),
+                                                        -1)
+
+    def weighted(f, x, *args):
+        return sum(jnp.sum(c * o) for c, o in zip(cot, f(x, *args), strict=True))
+
+    terms = functools.partial(c51_terms, v_min=v_min, v_max=v_max, impl="xla")
+    got = terms(jnp.asarray(taken), jnp.asarray(nxt), jnp.asarray(tz))
+    g_got = jax.grad(lambda x: weighted(lambda t: terms(t, jnp.asarray(nxt), jnp.asarray(tz)),
+                                        x))(jnp.asarray(taken))
+    with x64():
+        target = project_uniform(jnp.asarray(tz, jnp.float64),
+                                 jax.nn.softmax(jnp.asarray(nxt, jnp.float64), -1), v_min, v_max)
+        x = jnp.asarray(taken, jnp.float64)
+        want = textbook(x, target)
+        g_want = jax.grad(lambda v: weighted(textbook, v, target))(x)
+        for name, g, w in zip(("sq", "ce", "tm", "kl"), got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-4, err_msg=name)
+        np.testing.assert_allclose(g_got, g_want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("b,d,z", [(1, 1, 2), (45, 4, 51), (9, 3, 21), (33, 2, 101)])

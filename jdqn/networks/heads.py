@@ -101,8 +101,13 @@ def pad_atoms(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, Array,
 
 
 def expected_q(logits: Array, support: Array) -> Array:
-    """``E[Q] = Σ_z softmax(logits)_z · z``. logits: [..., Z]; support: [Z] → [...]."""
-    return jnp.sum(jax.nn.softmax(logits, axis=-1) * support, axis=-1)
+    """``E[Q] = Σ_z softmax(logits)_z · z``. logits: [..., Z]; support: [Z] → [...].
+
+    Computed as ``Σ e·z / Σ e`` with ``e = exp(logits − max)``: both sums read ``e`` in one
+    pass after the maximum's, where normalising first (``softmax``, then ``Σ p·z``) takes a
+    third pass over the logits."""
+    e = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    return jnp.sum(e * support, axis=-1) / jnp.sum(e, axis=-1)
 
 
 def q_variance(logits: Array, support: Array) -> Array:

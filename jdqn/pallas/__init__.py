@@ -182,10 +182,15 @@ def c51_terms(taken: Array, nxt: Array | None, tz: Array, v_min: float, v_max: f
     probs = jax.lax.stop_gradient(jax.nn.softmax(nxt, axis=-1) if probs is None else probs)
     target = jax.lax.stop_gradient(project_uniform(jax.lax.stop_gradient(tz), probs, v_min,
                                                    v_max, impl))
-    logp = jax.nn.log_softmax(taken, axis=-1)
-    ce = -jnp.sum(target * logp, axis=-1)
+    # Two passes over the logits: their maximum, then every sum that reads exp(x − max) —
+    # Σ e, Σ e·z and Σ m·(x − max) — at once; CE = Σm·log Σe − Σ m·(x − max), the cross-entropy
+    # −Σ m·log_softmax(x) without the third pass that log_softmax's normalised values take.
+    shifted = taken - jax.lax.stop_gradient(jnp.max(taken, axis=-1, keepdims=True))
+    e = jnp.exp(shifted)
+    sum_e = jnp.sum(e, axis=-1)
+    ce = jnp.sum(target, axis=-1) * jnp.log(sum_e) - jnp.sum(target * shifted, axis=-1)
     tm = jnp.sum(target * support, axis=-1)
-    q = jnp.sum(jnp.exp(logp) * support, axis=-1)
+    q = jnp.sum(e * support, axis=-1) / sum_e
     return jnp.square(q - tm), ce, tm, kl_from_ce(ce, target)
 
 
