@@ -129,15 +129,17 @@ def _dot_outputs(jaxpr) -> list[tuple[str, int]]:
 def test_bf16_mode_stores_activations_in_bf16_and_outputs_in_float32(params):
     """Mixed precision: every matmul writes a bf16 activation except those whose output a loss
     or softmax reads (the value and four advantage output layers, the IQN output layer, the MoE
-    gate logits) and the gate-weighted expert bias Σ_k g_k b2_k, which write float32, and the
-    GRN blocks' parameter products W45·W1 and W45·b1 (parameters are float32). Checked by
-    output width, so swapping which layer writes float32 fails too (the C51 output layers
-    write their atoms padded to Zp columns per action, see pad_atoms)."""
+    gate logits), which write float32, and the GRN blocks' parameter products W45·W1 and
+    W45·b1 (parameters are float32). The gate-weighted expert bias Σ_k g_k b2_k rides in the
+    MoE's bf16 output product (trunk._mix_with_bias_bf16), so no float32 [B, H] product is
+    left in the forward pass. Checked by output width, so swapping which layer writes float32
+    fails too (the C51 output layers write their atoms padded to Zp columns per action, see
+    pad_atoms)."""
     from jdqn.networks.heads import ATOM_ALIGN
 
     z, sizes = -(-SMALL.n_atoms // ATOM_ALIGN) * ATOM_ALIGN, SMALL.branch_sizes
     assert z == 12  # SMALL's 11 atoms, padded
-    wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts, SMALL.width,
+    wide = sorted([z, *(a * z for a in sizes), 1 + sum(sizes), SMALL.n_experts,
                    *[2 * SMALL.width] * (2 * SMALL.n_grn_blocks)])
     dots = _dot_outputs(jax.make_jaxpr(NET16.apply)(params, _obs(), TAUS).jaxpr)
     assert sorted(w for d, w in dots if d == "float32") == wide, dots
@@ -384,7 +386,66 @@ def test_moe_output_bias_rides_in_the_mixture_product():
         assert {tuple(sorted((ke, h))), tuple(sorted((n_k, h)))} <= outputs
 
 
-def test_moe_layer_uses_the_folded_bias_product_in_float32_only():
+def test_bf16_moe_output_bias_rides_in_the_mixture_product_split_into_bf16_halves():
+    """bf16: ``weighted @ w2 + gate @ b2`` as one bf16 GEMM over ``[weighted, g_hi, g_hi,
+    g_lo]`` and ``[w2; b_hi; b_lo; b_hi]``: the exact sum (float64, of the bf16 mixture
+    operands and the float32 gate and bias) rounded once to bf16 — correctly rounded where
+    the separate form (its GEMM's output rounded before the bias is added) and bf16 operands
+    for the bias alone are not; the derivative is bit for bit the separate form's, also
+    vmapped over the parameters (the paired forward at s′)."""
+    from jdqn.networks.trunk import _mix_separate_bf16, _mix_with_bias_bf16
+
+    k = jax.random.split(jax.random.key(12), 5)
+    b, ke, n_k, h = 256, 24, 3, 8
+    weighted = jax.random.normal(k[0], (b, ke)).astype(jnp.bfloat16)
+    gate = jax.nn.softmax(2 * jax.random.normal(k[1], (b, n_k)))
+    w2 = 0.3 * jax.random.normal(k[2], (ke, h))
+    b2 = 3.0 + jax.random.normal(k[3], (n_k, h))
+    args = (weighted, gate, w2, b2)
+
+    def as64(a):
+        return np.asarray(a, np.float64)
+
+    def to_bf16(a):  # float64 → nearest bf16 (via float32: no double-rounding tie here)
+        return as64(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16))
+
+    mixture = as64(weighted) @ as64(w2.astype(jnp.bfloat16))
+    nearest = to_bf16(mixture + as64(gate) @ as64(b2))
+    fused = _mix_with_bias_bf16(*args)
+    assert fused.dtype == jnp.bfloat16
+    separate = as64(_mix_separate_bf16(*args))
+    plain = to_bf16(mixture + as64(gate.astype(jnp.bfloat16)) @ as64(b2.astype(jnp.bfloat16)))
+    hits = [np.mean(a == nearest) for a in (as64(fused), separate, plain)]
+    assert hits[0] >= 0.99 and hits[1] < 0.95 and hits[2] < 0.9, hits
+    np.testing.assert_allclose(as64(fused), nearest, rtol=2.0**-7)
+    ct = jax.random.normal(k[4], (b, h))
+    grads = [jax.grad(lambda *a, f=f: jnp.vdot(ct, f(*a).astype(jnp.float32)),
+                      argnums=(0, 1, 2, 3))(*args)
+             for f in (_mix_with_bias_bf16, _mix_separate_bf16)]
+    for g_fold, g_two in zip(*grads, strict=True):
+        np.testing.assert_array_equal(g_fold, g_two)
+    tangents = tuple(jax.random.normal(jax.random.key(40 + i), a.shape).astype(a.dtype)
+                     for i, a in enumerate(args))
+    np.testing.assert_array_equal(jax.jvp(_mix_with_bias_bf16, args, tangents)[1],
+                                  jax.jvp(_mix_separate_bf16, args, tangents)[1])
+    pair_w, pair_b = jnp.stack([w2, -w2]), jnp.stack([b2, 2 * b2])
+    pair = jax.vmap(_mix_with_bias_bf16, in_axes=(None, None, 0, 0))(weighted, gate, pair_w,
+                                                                    pair_b)
+    np.testing.assert_array_equal(pair[0], fused)
+    np.testing.assert_array_equal(pair[1], _mix_with_bias_bf16(weighted, gate, -w2, 2 * b2))
+    # one forward product over K·E + 3K columns; the derivative's products are the separate
+    # form's (K·E and K wide), and the float32 [B, H] bias product is gone from the forward
+    fwd = dot_contractions(jax.make_jaxpr(_mix_with_bias_bf16)(*args).jaxpr)
+    assert [n for n, _ in fwd] == [ke + 3 * n_k]
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.vdot(ct, _mix_with_bias_bf16(*a).astype(
+        jnp.float32)), argnums=(0, 1, 2, 3)))(*args)
+    dots = dot_contractions(jaxpr.jaxpr)
+    outputs = {tuple(sorted(shape)) for _, shape in dots}  # either orientation
+    assert [n for n, _ in dots].count(ke + 3 * n_k) == 1
+    assert {tuple(sorted((ke, h))), tuple(sorted((n_k, h))), (n_k, b)} <= outputs
+
+
+def test_moe_layer_folds_the_output_bias_into_its_product_in_both_precisions():
     moe = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6)
     x = jax.random.normal(jax.random.key(0), (7, 9))
     obs = jax.random.normal(jax.random.key(1), (7, W))
@@ -397,7 +458,12 @@ def test_moe_layer_uses_the_folded_bias_product_in_float32_only():
 
     assert 4 * 5 + 4 in contractions(moe)
     bf16 = MixtureOfExperts(n_experts=4, hidden=5, gate_hidden=6, matmul_dtype="bfloat16")
-    assert 4 * 5 + 4 not in contractions(bf16)
+    assert 4 * 5 + 3 * 4 in contractions(bf16) and 4 not in contractions(bf16)
+    np.testing.assert_allclose(
+        bf16.apply(params, x, obs).h.astype(jnp.float32),
+        moe_mixture_reference(bf16.apply(params, x, obs).gate,
+                              expert_outputs(params["params"], x, "bfloat16")),
+        rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(
         moe.apply(params, x, obs).h,
         moe_mixture_reference(moe.apply(params, x, obs).gate,
