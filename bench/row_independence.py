@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import numpy as np
 
-from jdqn.config import Config, load_config
+from jdqn.config import Config, load_config, n_base_features
+from jdqn.data import resolve_state_width
 from jdqn.train.epoch import greedy_policy
 from jdqn.train.state import Learner
 
@@ -35,7 +36,7 @@ from jdqn.train.state import Learner
 def check(cfg: Config, rows: int, seed: int = 0, flow_idx: tuple[int, ...] = (0, 1)
           ) -> dict[str, Any]:
     """One batch size: ``{"rows", "row0_unchanged", "others_changed"}`` (see the module doc)."""
-    width = cfg.features.state_width
+    width = resolve_state_width(n_base_features(cfg.features), cfg.features.state_width)
     learner = Learner.create(cfg, flow_idx, width)
     k_obs, k_init, k_new = jax.random.split(jax.random.key(seed), 3)
     obs = jax.random.normal(k_obs, (rows, width))

@@ -135,7 +135,9 @@ class FeaturesConfig:
     time_of_day: bool = True  # sin/cos time-of-day encoding
     normalisation: Literal["zscore", "robust"] = "robust"  # fitted on each fold's train window
     clip: float = fld(5.0, gt=0)  # clip normalised features to ±clip
-    state_width: int = fld(128, ge=8)  # observation width (features + portfolio + padding)
+    # observation width (features + portfolio + zero padding); "auto": the features and the
+    # portfolio slots rounded up to a multiple of 8 (jdqn.data.layout.resolve_state_width)
+    state_width: int | Literal["auto"] = fld(128, ge=8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,6 +383,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _union_member_name(tp: Any) -> str:
+    """One alternative of a union field, for its error message (``an integer``, ``'auto'``)."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, _type_name(tp))
+
+
 # Choices that existed under another name, with what to use instead
 _RETIRED = {
     ("reward_norm", "popart"): "'popart' was renamed 'zscore': it is a running mean/std "
@@ -405,7 +415,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key} = {value!r} has the wrong type; expected {tp}")
+        raise ConfigError(f"{key} = {value!r} has the wrong type; expected "
+                          + " or ".join(_union_member_name(a) for a in typing.get_args(tp)))
     if origin is tuple:
         (elem,) = typing.get_args(tp)[:1]
         if not isinstance(value, (list, tuple)):
@@ -550,7 +561,7 @@ def _validate(obj: Any, prefix: str) -> None:
         if not obj.vol_windows:  # the first one scales CUSUM and the multi-timeframe vols
             raise ConfigError(f"{p}vol_windows = []: give at least one window (bars)")
         n = n_base_features(obj)
-        if n + N_PORTFOLIO_SLOTS > obj.state_width:
+        if obj.state_width != "auto" and n + N_PORTFOLIO_SLOTS > obj.state_width:
             raise ConfigError(f"{p}state_width = {obj.state_width} is too small: {n} features + "
                               f"{N_PORTFOLIO_SLOTS} portfolio slots need {n + N_PORTFOLIO_SLOTS}; "
                               "raise state_width or use fewer features")

@@ -221,6 +221,22 @@ def test_state_width_too_small_for_the_features_is_refused():
         config_from_dict({"features": {"vol_windows": []}})
 
 
+def test_state_width_may_be_auto_and_nothing_else_by_name():
+    """``"auto"`` sizes the observation from the features (jdqn.data.resolve_state_width), so
+    the too-small check is the layout's; any other string, a float or a bool is refused by
+    name, as is a width below 8."""
+    cfg = config_from_dict({"features": {"state_width": "auto", "return_lags": list(range(1, 99))}})
+    assert cfg.features.state_width == "auto"
+    assert apply_overrides({}, ["features.state_width=auto"]) == {
+        "features": {"state_width": "auto"}}
+    for bad in ("wide", 64.0, True):
+        with pytest.raises(ConfigError, match=r"features.state_width = .* has the wrong type; "
+                                              r"expected an integer or 'auto'"):
+            config_from_dict({"features": {"state_width": bad}})
+    with pytest.raises(ConfigError, match=r"features.state_width = 4 is out of range"):
+        config_from_dict({"features": {"state_width": 4}})
+
+
 def test_feature_count_matches_the_features_built():
     from jdqn.config import N_PORTFOLIO_SLOTS, FeaturesConfig, SyntheticConfig, n_base_features
     from jdqn.data import PORTFOLIO_SLOTS, build_features, generate_synthetic

@@ -198,3 +198,37 @@ def test_state_layout() -> None:
     StateLayout(n_features=121, width=128)
     with pytest.raises(ValueError, match="state_width = 128 is too small"):
         StateLayout(n_features=122, width=128)
+
+
+def test_auto_state_width_is_the_used_columns_rounded_up_to_eight() -> None:
+    from jdqn.config import ConfigError
+    from jdqn.data import resolve_state_width
+
+    assert [resolve_state_width(f, "auto") for f in (0, 1, 24, 25, 26, 33, 121, 122)] == [
+        8, 8, 32, 32, 40, 40, 128, 136]
+    assert resolve_state_width(24, 128) == 128 and resolve_state_width(24, 31) == 31
+    for bad in ("wide", True, 31.0):
+        with pytest.raises(ConfigError, match="expected an integer or 'auto'"):
+            resolve_state_width(24, bad)
+
+
+def test_a_job_with_auto_state_width_observes_and_trains_on_that_width() -> None:
+    """``features.state_width = "auto"`` end to end: the job's layout, the env's observations
+    and the network's input layers all take the resolved width (26 features + 7 portfolio
+    slots → 40), the observation holding the layout's columns and zeros in the rest."""
+    import jax
+    from helpers import tiny_config
+
+    from jdqn.env import core as env_core
+    from jdqn.train import job as job_lib
+
+    lags = "features.return_lags=[1, 2, 3, 5, 10, 20, 40]"  # 26 features
+    cfg = tiny_config('features.state_width="auto"', lags)
+    p = job_lib.prepare(cfg)
+    assert p.feats.n_features == 26 and p.layout.width == 40 and p.layout.n_padding == 7
+    env = job_lib.fold_env_params(cfg, p, 0)
+    obs = np.asarray(env_core.observe(env, env_core.reset(env, jax.random.key(0), 4)))
+    assert obs.shape == (4, 40) and (obs[:, 33:] == 0).all() and (obs[:, :26] != 0).any()
+    params = p.learner.net.init(jax.random.key(1), obs)["params"]
+    assert params["trunk"]["proj"]["kernel"].shape[0] == 40
+    assert job_lib.prepare(tiny_config("features.state_width=128", lags)).layout.width == 128

@@ -29,7 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdqn.config import Config, ConfigError, LoggingConfig, dumps_toml
-from jdqn.data import SCHEMA_VERSION, Bars, FeatureSet, StateLayout, fit_normaliser, load_or_build
+from jdqn.data import (
+    SCHEMA_VERSION,
+    Bars,
+    FeatureSet,
+    StateLayout,
+    fit_normaliser,
+    load_or_build,
+    resolve_state_width,
+)
 from jdqn.data.bars import event_bar_seconds
 from jdqn.env import core as env_core
 from jdqn.errors import CheckpointError
@@ -78,7 +86,8 @@ def prepare(cfg: Config) -> Prepared:
     if cfg.env.check_tick_grid:
         env_core.check_tick_grid(cfg.env.tick_size, open=bars.open, high=bars.high,
                                  low=bars.low, close=bars.close)
-    layout = StateLayout(feats.n_features, cfg.features.state_width)
+    layout = StateLayout(feats.n_features,
+                         resolve_state_width(feats.n_features, cfg.features.state_width))
     plan = plan_folds(len(bars.close), feats.warmup, cfg.train)
     check_eval_stride(plan, cfg.eval.stride)
     check_eval_windows(plan, cfg.eval.n_windows, cfg.eval.stride)
