@@ -51,8 +51,8 @@ def resolve_state_width(n_features: int, setting: int | str) -> int:
     Why "auto" exists: the predecessor's fixed 128 columns leave most of them zero padding with
     the default features (24 + 7 = 31 used), and every layer that reads the observation (the
     variable selection, the input layer, the MoE gate) multiplied those zeros. The GPU configs
-    take it: on the H100, bf16, B = 16384, the update 1.685 → 1.655 ms (32 columns against
-    128; ``bench/results/train_h100_bf16_state_width_32_ab.json``)."""
+    take it: on the H100 at B = 16384 the update 1.685 → 1.655 ms bf16 and 2.775 → 2.689 ms
+    float32 (32 columns against 128; ``bench/results/train_h100_*_state_width_*_ab.json``)."""
     if setting == "auto":
         need = n_features + len(PORTFOLIO_SLOTS)
         return -(-need // STATE_ALIGN) * STATE_ALIGN

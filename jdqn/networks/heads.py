@@ -88,8 +88,10 @@ def pad_atoms(kernel: Array, bias: Array, n_actions: int) -> tuple[Array, Array,
     Measured on the H200 (the update at B = 16384, float32, alternated with the unpadded
     layers in three machine sessions): the mean 16–20 µs lower in each (2.741–2.773 ms over
     eleven runs, against 2.765–2.792 over eight); padding to 56 or 64 columns gained less, so
-    it is the alignment, not a wider tile, that pays. bf16: the same to within noise
-    (1.834–1.846 ms either way). ``docs/model.md`` has the runs."""
+    it is the alignment, not a wider tile, that pays. bf16: the same to within noise then
+    (1.834–1.846 ms either way); re-measured on the H100 on 2026-12-06 (two alternated rounds),
+    unpadded under bf16 was slower, 1.697–1.705 against 1.647–1.657 ms. ``docs/model.md`` has
+    the runs."""
     n_in, cols = kernel.shape
     z = cols // n_actions
     zp = -(-z // ATOM_ALIGN) * ATOM_ALIGN
