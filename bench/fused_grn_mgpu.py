@@ -82,7 +82,7 @@ def fused(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, tm: int = 64, c2: i
 
     def load(ref, layout):  # the whole ref into registers laid out as ``layout``
         # JAX's GPU interpreter (jax 0.10) has no rule for plgpu.load: a plain read there
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+        return ref[...] if interpret else grn_block.mgpu_load(ref, layout, plgpu)
 
     def cast(value, layout):  # nor for layout_cast
         return value if interpret else plgpu.layout_cast(value, layout)

@@ -201,6 +201,48 @@ def test_the_kernel_runs_on_hopper_gpus_only(monkeypatch):
         assert grn_block.device_supported() is ok, cc
 
 
+def test_registers_load_passes_the_index_only_where_the_jax_version_requires_it():
+    """``mgpu_load``: jax 0.10's ``plgpu.load(src, idx, *, layout)`` gets ``()`` for the
+    index; jax 0.11's ``plgpu.load(src, idx=NotSpecified, *, layout)``, which warns that a
+    separate index is deprecated, and a later one without ``idx`` get none — read off the
+    signature of the module it is given."""
+    import types
+
+    from jdqn.pallas.grn_block import mgpu_load
+
+    calls, unset = [], object()
+
+    def jax_010(src, idx, *, layout=None, optimized=True):
+        calls.append(("0.10", src, idx, layout))
+
+    def jax_011(src, idx=unset, *, layout=None, optimized=True):
+        calls.append(("0.11", src, idx is unset, layout))
+
+    def later(src, *, layout=None, optimized=True):
+        calls.append(("later", src, layout))
+
+    for load in (jax_010, jax_011, later):
+        mgpu_load("ref", "L", types.SimpleNamespace(load=load))
+    assert calls == [("0.10", "ref", (), "L"), ("0.11", "ref", True, "L"), ("later", "ref", "L")]
+
+
+def test_the_gpu_kernel_lowers_for_cuda_off_the_gpu_with_the_installed_jax():
+    """The kernel as the GPU runs it (not the interpreter's form) lowers to a Mosaic GPU
+    custom call for CUDA on any machine: the installed JAX's ``plgpu.load`` (through
+    ``mgpu_load``), TMA, wgmma and the shared-memory budget, checked by tracing alone."""
+    from jdqn.pallas.grn_block import grn_block
+
+    h, m = 64, 128
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (m, h)).astype(jnp.bfloat16)
+    w_fc = jax.random.normal(k[1], (h, h)).astype(jnp.bfloat16)
+    w = jax.random.normal(k[2], (h, 2 * h)).astype(jnp.bfloat16)
+    args = (x, w_fc, jnp.zeros(h), w, jnp.zeros(2 * h), jnp.ones(h), jnp.zeros(h))
+    run = jax.jit(lambda *a: grn_block(*a, eps=1e-6, interpret=False))
+    text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def test_the_kernel_branch_creates_the_xla_blocks_parameters(monkeypatch):
     """A grad-free bf16 block initialised through the kernel's branch (its input tiles) has
     the XLA block's parameters: the same names, shapes, dtypes and values."""

@@ -129,6 +129,21 @@ def device_supported() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
+def mgpu_load(ref, layout, plgpu=None) -> Array:
+    """``ref`` whole into registers laid out as ``layout`` (``plgpu.load``) on either supported
+    JAX: jax 0.10's ``load(src, idx, *, layout)`` takes the index, jax 0.11's deprecates it
+    (``jax-pallas-mgpu-load-idx``: index the ref first), so the index is passed only where the
+    signature still requires it. ``plgpu``: the Mosaic GPU module (a test passes a stand-in)."""
+    import inspect
+
+    if plgpu is None:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def _transforms(cols: int, dtype) -> tuple:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -190,7 +205,7 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
     norm = probe not in ("no_ln", "mm_only")
 
     def load(ref, layout):
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+        return ref[...] if interpret else mgpu_load(ref, layout, plgpu)
 
     def cast(value, layout):
         return value if interpret else plgpu.layout_cast(value, layout)
