@@ -46,7 +46,7 @@ STATE_ALIGN = 8
 def resolve_state_width(n_features: int, setting: int | str) -> int:
     """The observation width for ``n_features`` features under ``features.state_width``: the
     setting itself, or for ``"auto"`` the features plus the portfolio slots rounded up to a
-    multiple of :data:`STATE_ALIGN` — no column the network reads is always zero.
+    multiple of :data:`STATE_ALIGN`, so at most 7 of the columns the network reads are padding.
 
     Why "auto" exists: the predecessor's fixed 128 columns leave most of them zero padding with
     the default features (24 + 7 = 31 used), and every layer that reads the observation (the
