@@ -386,6 +386,16 @@ def test_moe_output_bias_rides_in_the_mixture_product():
         assert {tuple(sorted((ke, h))), tuple(sorted((n_k, h)))} <= outputs
 
 
+def _mix_separate_bf16(weighted, gate, w2, b2):
+    """The bf16 MoE output as the layer computed it before ``_mix_with_bias_bf16``: the
+    mixture as a bf16 GEMM writing bf16, the gate-weighted bias in float32, added in float32
+    and rounded once."""
+    from jdqn.networks.trunk import _einsum
+
+    h = _einsum("bk,kh->bh", weighted, w2, "bfloat16", jnp.bfloat16)
+    return (h.astype(jnp.float32) + gate @ b2.astype(gate.dtype)).astype(jnp.bfloat16)
+
+
 def test_bf16_moe_output_bias_rides_in_the_mixture_product_split_into_bf16_halves():
     """bf16: ``weighted @ w2 + gate @ b2`` as one bf16 GEMM over ``[weighted, g_hi, g_hi,
     g_lo]`` and ``[w2; b_hi; b_lo; b_hi]``: the exact sum (float64, of the bf16 mixture
@@ -393,7 +403,7 @@ def test_bf16_moe_output_bias_rides_in_the_mixture_product_split_into_bf16_halve
     the separate form (its GEMM's output rounded before the bias is added) and bf16 operands
     for the bias alone are not; the derivative is bit for bit the separate form's, also
     vmapped over the parameters (the paired forward at s′)."""
-    from jdqn.networks.trunk import _mix_separate_bf16, _mix_with_bias_bf16
+    from jdqn.networks.trunk import _mix_with_bias_bf16
 
     k = jax.random.split(jax.random.key(12), 5)
     b, ke, n_k, h = 256, 24, 3, 8

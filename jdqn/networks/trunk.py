@@ -399,25 +399,18 @@ def _split_bf16(x: Array) -> tuple[Array, Array]:
     return hi, (x - hi.astype(x.dtype)).astype(jnp.bfloat16)
 
 
-def _mix_separate_bf16(weighted: Array, gate: Array, w2: Array, b2: Array) -> Array:
-    """The bf16 MoE output as two products: the mixture ``weighted @ w2`` as a bf16 GEMM that
-    writes bf16, the gate-weighted bias ``gate @ b2`` in float32, added in float32 and rounded
-    once (weighted [B, K·E] bf16, gate [B, K] float32, w2 [K·E, H], b2 [K, H] float32). The
-    derivative of :func:`_mix_with_bias_bf16`."""
-    h = _einsum("bk,kh->bh", weighted, w2, "bfloat16", jnp.bfloat16)
-    return (h.astype(jnp.float32) + gate @ b2.astype(gate.dtype)).astype(jnp.bfloat16)
-
-
 @jax.custom_jvp
 def _mix_with_bias_bf16(weighted: Array, gate: Array, w2: Array, b2: Array) -> Array:
-    """The bf16 MoE output ``weighted @ w2 + gate @ b2`` (shapes as in
-    :func:`_mix_separate_bf16`) as **one** bf16 GEMM that accumulates in float32 and writes
-    bf16: ``[weighted, g_hi, g_hi, g_lo] · [w2; b_hi; b_lo; b_hi]``, the gate and the bias each
-    split into bf16 halves (:func:`_split_bf16`), so the bias term keeps ~16 significant bits
-    (the dropped ``g_lo·b_lo`` is ~2⁻¹⁸ of it) where bf16 operands alone would keep 8.
+    """The bf16 MoE output ``weighted @ w2 + gate @ b2`` (weighted [B, K·E] bf16, gate [B, K]
+    float32, w2 [K·E, H], b2 [K, H] float32) as **one** bf16 GEMM that accumulates in float32
+    and writes bf16: ``[weighted, g_hi, g_hi, g_lo] · [w2; b_hi; b_lo; b_hi]``, the gate and the
+    bias each split into bf16 halves (:func:`_split_bf16`), so the bias term keeps ~16
+    significant bits (the dropped ``g_lo·b_lo`` is ~2⁻¹⁸ of it) where bf16 operands alone would
+    keep 8.
 
-    Where the separate form (:func:`_mix_separate_bf16`) ran a float32 ``[B, K] × [K, H]``
-    product writing a float32 ``[B, H]`` and a pass adding it to the GEMM's bf16 output
+    Where the separate form — the mixture as a bf16 GEMM writing bf16, ``gate @ b2`` in
+    float32, added in float32 and rounded once — ran a float32 ``[B, K] × [K, H]`` product
+    writing a float32 ``[B, H]`` and a pass adding it to the GEMM's bf16 output
     (twice per update at s′, once at s), this is K·E + 3K contraction columns in the GEMM,
     the halves written beside the gated hidden layer by the kernel that computes it, and the
     sum rounded to bf16 once instead of twice. The derivative is the separate form's
@@ -432,8 +425,8 @@ def _mix_with_bias_bf16(weighted: Array, gate: Array, w2: Array, b2: Array) -> A
 
 @_mix_with_bias_bf16.defjvp
 def _mix_with_bias_bf16_jvp(primals, tangents):
-    """:func:`_mix_separate_bf16`'s tangent, written out (its primal products would be dead
-    code in the derivative's forward pass)."""
+    """The separate form's tangent (the test's oracle,
+    ``tests/test_networks.py::_mix_separate_bf16``), written out."""
     weighted, gate, w2, b2 = primals
     d_weighted, d_gate, d_w2, d_b2 = tangents
     mix = (_einsum("bk,kh->bh", d_weighted, w2, "bfloat16", jnp.bfloat16)
