@@ -45,6 +45,9 @@ Two layouts compute the same sums in the same order (bitwise equal results, test
   (``…_projection_row_store_rejected_ab.json``): both rejected. Nor did the other side pay:
   the loss reading ``mᵀ`` as written, with the online logits computed batch-minor
   (``[A_d, Z, B]``), was 47–59 µs slower (``…_c51_loss_batch_minor_rejected_ab.json``).
+  Nor did a transpose of its own: ``mᵀ`` → ``m`` as a second Pallas kernel (7.6 µs; the loss's
+  transposing fusions went from the profile) made the bf16 update 37–44 µs slower on an H100
+  (``train_h100_bf16_projection_rows_kernel_rejected_ab.json``).
 * ``"rows"``: samples along the block's rows; each step of the j-loop loads the column
   ``x[:, j]`` (a strided load of one float per row, uncoalesced). Kept as the measured
   alternative.
