@@ -16,6 +16,7 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel grn_tail   # a GRN block's tail (GLU + residual + LN)
     python bench/kernels.py --kernel grn_tail_grad  # the tail's gradient (backward kernel)
     python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
+    python bench/kernels.py --kernel double_q_heads --dtype bfloat16  # with the heads' output layers
     python bench/kernels.py --kernel iqn_tail   # the IQN output stage (bias, ReLU, W2)
     python bench/kernels.py --kernel iqn_tail_grad  # its gradient (backward kernel)
     python bench/kernels.py --kernel moe_gate_grad  # the MoE gated hidden layer's gradient
@@ -533,6 +534,63 @@ def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
             "results": _time_tiles(fns, (value_bias, streams), reps, compare, interpret)}
 
 
+def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, int]], dtype: str,
+                         interpret: bool = False) -> dict:
+    """The C51 heads' output layers and the double-Q selection at s′ in one kernel
+    (``jdqn.pallas.double_q_heads``) at the update's shape: the default model's heads (two
+    initialisations: online and target, the output layers scaled ×4 so that the logits spread
+    over a few units, as a trained head's do), their :class:`~jdqn.networks.heads.HeadInputs`
+    at ``b`` rows of s′ under ``dtype`` matmuls → the online greedy action and the target's
+    softmax there. Rows: the path the loss takes without the kernel (XLA's output GEMMs,
+    ``expected_q_streams`` and the double-Q kernel, ``xla_products_double_q``) and the kernel
+    over tiles (rows per program, warps): actions differing from the first row's, the largest
+    probability difference, a bitwise repeat. ``pre`` comes first (the timing loop perturbs
+    the first argument: an elementwise pass over it, in every row). ``interpret``: the kernel
+    rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
+    from jdqn.config import ModelConfig
+    from jdqn.networks import BranchingQNetwork, init_params
+    from jdqn.networks.heads import streams_from_inputs
+    from jdqn.pallas import double_q, double_q_heads
+
+    cfg = ModelConfig(matmul_dtype=dtype)
+    width, flow_idx = 32, tuple(range(16, 24))  # the GPU configs' 24 features, 8 of order flow
+    net = BranchingQNetwork(cfg, flow_idx=flow_idx)
+    obs = jax.random.normal(jax.random.key(2), (b, width))
+    inputs = []
+    for seed in (0, 1):
+        params = init_params(net, jax.random.key(seed), width)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x * 4.0 if "_out" in jax.tree_util.keystr(path) else x, params)
+        inputs.append(jax.jit(lambda p, o: net.apply(p, o, grad_free=True,
+                                                     head_streams="inputs").streams)(params,
+                                                                                     obs))
+    z, lo, hi = cfg.n_atoms, cfg.v_min, cfg.v_max
+    pre_o = inputs[0].pre
+
+    def pre_first(fn):
+        return lambda pre, o, t: fn(o._replace(pre=pre), t)
+
+    fns = {"xla_products_double_q": pre_first(lambda o, t: double_q.double_q_next(
+        streams_from_inputs(o, z, lo, hi, interpret), streams_from_inputs(t, z, lo, hi,
+                                                                          interpret),
+        z, lo, hi, interpret))}
+    for rows, warps in tiles:
+        fns[f"pallas_rows{rows}_w{warps}"] = pre_first(functools.partial(
+            double_q_heads.double_q_heads, z=z, v_min=lo, v_max=hi, interpret=interpret,
+            rows=rows, num_warps=warps))
+    ref_a, ref_p = (np.asarray(x) for x in jax.jit(fns["xla_products_double_q"])(
+        pre_o, *inputs))
+
+    def compare(a, a2):
+        return {"actions_differing": int(np.sum(np.asarray(a[0]) != ref_a)),
+                "max_abs_diff": float(np.max(np.abs(np.asarray(a[1]) - ref_p))),
+                "bitwise_repeat": all(bool(jnp.array_equal(x, y)) for x, y in zip(a, a2))}
+
+    return {"dtype": dtype, "branch_sizes": list(cfg.branch_sizes), "hidden": cfg.head_hidden,
+            "flow_features": len(flow_idx), "interpret": interpret,
+            "results": _time_tiles(fns, (pre_o, *inputs), reps, compare, interpret)}
+
+
 # Bias-gradient reductions of the default model's update at B = 16384 (rows, columns): the
 # variable selection, trunk width, GLU, experts' hidden layer, MoE gate, the heads' joint first
 # layer and their output layers, and the IQN head's three dense layers over B·Q rows (the τ
@@ -609,7 +667,7 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
                                          "modulation", "reduce", "grn_tail", "grn_tail_grad",
                                          "double_q", "iqn_tail", "iqn_tail_grad",
-                                         "moe_gate_grad", "trunk_input"),
+                                         "moe_gate_grad", "trunk_input", "double_q_heads"),
                     default="c51_projection")
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--branches", type=int, default=4)
@@ -635,6 +693,9 @@ def main() -> None:
                          "comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--double-q-heads-tiles", default="32/4,64/4,16/4,32/8,64/8",
+                    help="fused heads + double-Q kernel tiles to time: rows/num_warps, "
+                         "comma-separated")
     ap.add_argument("--trunk-input-tiles", default="64/4,32/4,128/4,64/8,128/8",
                     help="trunk input kernels' tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--pair", type=int, default=1,
@@ -643,10 +704,11 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="--kernel reduce: the summed array's dtype; --kernel iqn_tail(_grad): "
                          "the hidden layer's pre-activation's (bf16 matmuls); --kernel "
-                         "trunk_input: the matmuls'")
+                         "trunk_input / double_q_heads: the matmuls'")
     ap.add_argument("--interpret", action="store_true",
-                    help="--kernel reduce / grn_tail(_grad) / double_q / iqn_tail(_grad) / "
-                         "moe_gate_grad / trunk_input: run the kernel in Pallas' interpreter "
+                    help="--kernel reduce / grn_tail(_grad) / double_q(_heads) / "
+                         "iqn_tail(_grad) / moe_gate_grad / trunk_input: run the kernel in "
+                         "Pallas' interpreter "
                          "(tests)")
     args = ap.parse_args()
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
@@ -699,6 +761,12 @@ def main() -> None:
                           **bench_trunk_input(b, args.reps, _tiles(args.trunk_input_tiles),
                                               args.dtype, args.pair,
                                               interpret=args.interpret), **meta}))
+        return
+    if args.kernel == "double_q_heads":
+        print(json.dumps({"bench": "kernels", "kernel": "double_q_heads",
+                          **bench_double_q_heads(b, args.reps,
+                                                 _tiles(args.double_q_heads_tiles), args.dtype,
+                                                 interpret=args.interpret), **meta}))
         return
     if args.kernel == "double_q":
         print(json.dumps({"bench": "kernels", "kernel": "double_q",

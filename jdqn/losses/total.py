@@ -136,25 +136,27 @@ def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
     :func:`jdqn.pallas.double_q.double_q_next` computes the online expected Q, its argmax and
     the target's softmax there without writing either network's logits. The same function as
     selecting from :func:`next_state_forwards`' outputs, to float32 rounding (tested)."""
-    from jdqn.pallas import double_q
+    from jdqn.pallas import double_q, double_q_heads
 
     c = net.cfg
     params, target_params = jax.lax.stop_gradient((params, target_params))
-    apply = functools.partial(net.apply, grad_free=True, head_streams=True)
+    heads = use_pallas(c.impl, double_q_heads.kernel_name(c.matmul_dtype))
+    apply = functools.partial(net.apply, grad_free=True,
+                              head_streams="inputs" if heads else True)
+    select = double_q_heads.double_q_heads if heads else double_q.double_q_next
     interpret = jax.default_backend() != "gpu"
     if twin:
         pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
         both = jax.vmap(apply, in_axes=(0, None))(pair, next_obs)
-        action, probs = double_q.double_q_next(both.streams, None, c.n_atoms, c.v_min,
-                                               c.v_max, interpret)
+        action, probs = select(both.streams, None, c.n_atoms, c.v_min, c.v_max, interpret)
         features = both.features[1]
         quantiles = None if taus_prime is None else iqn_quantiles(
             net, target_params, features, taus_prime, grad_free=True)
     else:
         online = apply(params, next_obs)
         target = apply(target_params, next_obs, taus_prime)
-        action, probs = double_q.double_q_next(online.streams, target.streams, c.n_atoms,
-                                               c.v_min, c.v_max, interpret)
+        action, probs = select(online.streams, target.streams, c.n_atoms, c.v_min, c.v_max,
+                               interpret)
         quantiles = target.quantiles
     return action, probs, quantiles
 

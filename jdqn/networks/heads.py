@@ -153,6 +153,65 @@ def stream_logits(streams: HeadStreams, z: int) -> tuple[Array, ...]:
                  for adv, bias in zip(streams.adv, streams.adv_bias, strict=True))
 
 
+class HeadInputs(NamedTuple):
+    """What the dueling C51 head computes its output-layer products from, past its joint first
+    layer (what :class:`DuelingBranchingHead` returns with ``streams="inputs"``, for the fused
+    double-Q kernel :mod:`jdqn.pallas.double_q_heads`): the five streams' first-layer outputs
+    with their bias (``pre``, streams side by side in the order value, direction, magnitude,
+    order type, urgency), the order-flow features of the state, each stream's output layer as
+    the head applies it (advantages centred over the actions, atoms padded to ``Zp``), and the
+    conditioning rows of the magnitude (direction's expected Q) and of the order-type and
+    urgency streams (order flow). :func:`streams_from_inputs` is the head's own arithmetic from
+    here on. Under ``vmap`` (the paired online/target forward) every leaf has the pair axis in
+    front."""
+
+    pre: Array  # [B, 5·hidden], the stored activations' dtype
+    flow: Array  # [B, F_o] (float32 under bf16 matmuls), F_o ≥ 0
+    out_kernel: tuple[Array, ...]  # per stream [hidden, n_s·Zp]
+    out_bias: tuple[Array, ...]  # per stream [n_s·Zp]
+    cond_kernel: Array  # [A_direction, hidden]: the magnitude stream's conditioning rows
+    flow_kernel: tuple[Array, Array]  # [F_o, hidden]: order type's and urgency's flow rows
+
+
+def head_matmul_dtype(inputs: HeadInputs) -> str:
+    """The ``ModelConfig.matmul_dtype`` a :class:`HeadInputs` was computed under (its ``pre``
+    is stored in bf16 exactly under bf16 matmuls)."""
+    return "bfloat16" if inputs.pre.dtype == jnp.bfloat16 else "float32"
+
+
+def streams_from_inputs(inputs: HeadInputs, z: int, v_min: float, v_max: float,
+                        interpret: bool | None = None) -> HeadStreams:
+    """The head's output-layer products (:class:`HeadStreams`) from its :class:`HeadInputs`:
+    per stream ``relu(x)·W`` under the model's precision policy, where the magnitude stream's
+    ``x`` carries the direction's expected Q (from the value and direction products, through
+    :func:`jdqn.pallas.double_q.expected_q_streams`) and the order-type and urgency streams'
+    the order flow — what the grad-free head computes (``streams=True`` returns this)."""
+    from jdqn.pallas.double_q import expected_q_streams
+
+    md = head_matmul_dtype(inputs)
+    act, wide = act_dtype(md, inputs.pre), wide_dtype(md, inputs.pre)
+    hid = inputs.cond_kernel.shape[-1]
+    pre = [inputs.pre[:, k * hid:(k + 1) * hid] for k in range(len(inputs.out_kernel))]
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+
+    def product(k: int, x: Array) -> Array:
+        return matmul(nn.relu(x), inputs.out_kernel[k], md, wide)
+
+    value, direction = product(0, pre[0]), product(1, pre[1])
+    q_dir = expected_q_streams(value, inputs.out_bias[0], direction, inputs.out_bias[1], z,
+                               v_min, v_max, interpret).astype(wide)
+    q_dir = q_dir / max(abs(v_min), abs(v_max))
+    cond = _small_matmul(q_dir, inputs.cond_kernel)  # in `wide`
+    products = [value, direction, product(2, (pre[2].astype(wide) + cond).astype(act))]
+    for k, w in zip((3, 4), inputs.flow_kernel, strict=True):
+        x = pre[k]
+        if inputs.flow.shape[-1]:
+            x = (x.astype(wide) + _small_matmul(inputs.flow, w)).astype(act)
+        products.append(product(k, x))
+    return HeadStreams(products[0], inputs.out_bias[0], tuple(products[1:]),
+                       tuple(inputs.out_bias[1:]))
+
+
 def _small_matmul(x: Array, w: Array) -> Array:
     """``x [B, k] @ w [k, n]`` for a handful of inputs (k ≤ 8) as a sum of broadcasts, which XLA
     fuses into its consumer instead of launching a matmul with a tiny contraction; a plain
@@ -187,7 +246,11 @@ class DuelingBranchingHead(nn.Module):
     ``streams=True`` (grad-free forwards at s′): returns the output layers' products and biases
     (:class:`HeadStreams`) for the double-Q kernel instead of the logits, and the direction's
     expected Q that conditions the magnitude stream comes from the products through a kernel
-    (:func:`jdqn.pallas.double_q.expected_q_streams`), so no logits are written at all.
+    (:func:`jdqn.pallas.double_q.expected_q_streams`), so no logits are written at all
+    (:func:`streams_from_inputs`). ``streams="inputs"``: returns what those products are
+    computed from (:class:`HeadInputs`: the first layers' output and the output layers), for
+    the kernel that computes the products and the double-Q selection in one pass
+    (:mod:`jdqn.pallas.double_q_heads`).
     """
 
     branch_sizes: tuple[int, ...]
@@ -198,10 +261,12 @@ class DuelingBranchingHead(nn.Module):
     flow_idx: tuple[int, ...] = ()
     matmul_dtype: str = "float32"
     impl: str = "xla"  # ModelConfig.impl (the bias gradients' reduction, trunk.add_bias)
-    streams: bool = False  # return the output layers' products (HeadStreams), not the logits
+    # True: return the output layers' products (HeadStreams), not the logits; "inputs": what
+    # they are computed from (HeadInputs)
+    streams: bool | str = False
 
     @nn.compact
-    def __call__(self, h: Array, obs: Array) -> tuple[Array, ...] | HeadStreams:
+    def __call__(self, h: Array, obs: Array) -> tuple[Array, ...] | HeadStreams | HeadInputs:
         b, z, hid, md = h.shape[0], self.n_atoms, self.hidden, self.matmul_dtype
         width, n_flow = h.shape[-1], len(self.flow_idx)
         act, wide = act_dtype(md, h), wide_dtype(md, h)  # hidden layers / logits
@@ -219,9 +284,24 @@ class DuelingBranchingHead(nn.Module):
         w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
         b1 = jnp.concatenate([fc[s][1] for s in streams])
         pre = add_bias(matmul(h, w1, md, act), b1, self.impl)
+        if self.streams:  # grad-free: the products (or their inputs), no logits at all
+            names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
+            kernels, biases = [], []
+            for s, a in zip(streams, (0, *self.branch_sizes), strict=True):
+                w, bias = out[s]
+                if a:  # an advantage stream: centred over its A_d actions (the dueling form)
+                    w, bias = centre_actions(w, bias, a)
+                w, bias, _ = pad_atoms(w, bias, max(a, 1))
+                kernels.append(w)
+                biases.append(bias)
+            flow = (obs[:, np.asarray(self.flow_idx)] if n_flow else obs[:, :0]).astype(wide)
+            inputs = HeadInputs(pre, flow, tuple(kernels), tuple(biases),
+                                fc[BRANCH_NAMES[MAGNITUDE]][0][width:],
+                                tuple(fc[n][0][width:] for n in names[ORDER_TYPE:]))
+            if self.streams == "inputs":
+                return inputs
+            return streams_from_inputs(inputs, z, self.v_min, self.v_max)
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
-
-        products = {}  # stream -> (its output product [B, n·Zp] without the bias, the bias)
 
         def second(s: str, x: Array, a: int = 0) -> Array:  # [B, max(a, 1), Z], in `wide`
             w, bias = out[s]
@@ -230,7 +310,6 @@ class DuelingBranchingHead(nn.Module):
             n = max(a, 1)
             w, bias, zp = pad_atoms(w, bias, n)
             y = matmul(nn.relu(x), w, md, wide)
-            products[s] = (y, bias)
             return add_bias(y, bias, self.impl).reshape(b, n, zp)[:, :, :z]
 
         def logits(d: int, x: Array) -> Array:
@@ -240,15 +319,7 @@ class DuelingBranchingHead(nn.Module):
         value = second("value", pre["value"])[:, 0]  # [B, Z]
         direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
         q_scale = max(abs(self.v_min), abs(self.v_max))
-        if self.streams:  # grad-free: E[Q] straight from the products (no [B, 4, Z] logits)
-            from jdqn.pallas.double_q import expected_q_streams
-
-            q_dir = expected_q_streams(*products["value"], *products[BRANCH_NAMES[DIRECTION]],
-                                       z, self.v_min, self.v_max,
-                                       jax.default_backend() != "gpu").astype(wide)
-        else:
-            q_dir = jax.lax.stop_gradient(expected_q(direction, support))
-        q_dir = q_dir / q_scale  # [B, 4]
+        q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
         mag = BRANCH_NAMES[MAGNITUDE]
         cond = _small_matmul(q_dir, fc[mag][0][width:])  # in `wide`
         magnitude = logits(MAGNITUDE, (pre[mag].astype(wide) + cond).astype(act))
@@ -260,10 +331,6 @@ class DuelingBranchingHead(nn.Module):
                 x = (x.astype(wide) + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
                      ).astype(act)
             rest.append(logits(d, x))
-        if self.streams:  # the products for the double-Q kernel (the logits are dead code)
-            names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
-            return HeadStreams(*products["value"], tuple(products[s][0] for s in names),
-                               tuple(products[s][1] for s in names))
         return (direction, magnitude, *rest)
 
 

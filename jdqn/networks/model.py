@@ -28,6 +28,7 @@ from jdqn.config import ModelConfig
 from jdqn.networks.heads import (
     DIRECTION,
     DuelingBranchingHead,
+    HeadInputs,
     HeadStreams,
     IQNHead,
     expected_q,
@@ -50,8 +51,9 @@ class NetOutput(NamedTuple):
     aux: dict[str, Array]  # diagnostics: 'selection' [B, W] variable-selection weights,
     #                        'gate_util' [K] = mean_b gate, 'gate_entropy' [] = mean_b H(gate[b])
     features: Array  # [B, H] the trunk's output h (what the heads read; see iqn_quantiles)
-    # head_streams=True: the C51 head's output products (then logits, q and q_var are empty)
-    streams: HeadStreams | None = None
+    # head_streams=True: the C51 head's output products (then logits, q and q_var are empty);
+    # head_streams="inputs": what it computes them from
+    streams: HeadStreams | HeadInputs | None = None
 
 
 def _iqn_head(c: ModelConfig, grad_free: bool, **kw: Any) -> IQNHead:
@@ -92,7 +94,9 @@ class BranchingQNetwork(nn.Module):
     ``impl = "pallas"`` (the MoE mixture and the IQN modulation then have custom VJPs) and for
     kernels ``"auto"`` takes on the GPU. ``head_streams=True``: the output carries the C51
     head's output-layer products (``NetOutput.streams``, for the double-Q kernel
-    :mod:`jdqn.pallas.double_q`) instead of logits, Q and Var[Q] (empty tuples).
+    :mod:`jdqn.pallas.double_q`) instead of logits, Q and Var[Q] (empty tuples);
+    ``head_streams="inputs"``: what the head computes those products from
+    (:class:`~jdqn.networks.heads.HeadInputs`, for :mod:`jdqn.pallas.double_q_heads`).
     """
 
     cfg: ModelConfig
@@ -101,7 +105,7 @@ class BranchingQNetwork(nn.Module):
     @nn.compact
     def __call__(self, obs: Array, taus: Array | None = None,
                  grad_free: bool = False, tau_rows: int | None = None,
-                 head_streams: bool = False) -> NetOutput:
+                 head_streams: bool | str = False) -> NetOutput:
         c = self.cfg
         trunk = Trunk(c.width, c.n_grn_blocks, c.n_experts, c.expert_hidden, c.gate_hidden,
                       c.matmul_dtype, c.impl, grad_free, name="trunk")(obs)
