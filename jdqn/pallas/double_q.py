@@ -136,11 +136,25 @@ def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float
                 best_a = jnp.where(better, a, best_a)
         cols = best_a * zp + jc  # [R, Zb]: each row's own action
         lg = value_t + _load(at, row_t, cols, full) + _load(abt, brow_t, cols, full)
-        lg = jnp.where(valid, lg, _NEG)
-        e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
-        p_ref[:, pl.ds(d * zb, zb)] = e / jnp.sum(e, axis=1, keepdims=True)
+        p_ref[:, pl.ds(d * zb, zb)] = softmax_atoms(lg, valid)
         chosen = jnp.where(col == d, best_a, chosen)
     a_ref[...] = chosen
+
+
+def softmax_atoms(lg: Array, valid: Array) -> Array:
+    """In a kernel: the softmax over the atoms of logits ``[R, Zb]``, 0 where ``valid``
+    ``[1, Zb]`` is false."""
+    lg = jnp.where(valid, lg, _NEG)
+    e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    return e / jnp.sum(e, axis=1, keepdims=True)
+
+
+def expected_atoms(lg: Array, valid: Array, support: Array) -> Array:
+    """In a kernel: ``E[Q] = Σ softmax·z`` ``[R, 1]`` of logits ``[R, Zb]`` (atoms where
+    ``valid`` is false left out), as ``Σ e·z / Σ e``."""
+    lg = jnp.where(valid, lg, _NEG)
+    e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    return jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
 
 
 def _expected_q(load_value, load_adv, n_act: int, valid: Array, support: Array):
@@ -148,9 +162,7 @@ def _expected_q(load_value, load_adv, n_act: int, valid: Array, support: Array):
     ``load_value()`` [R, Zb] and ``load_adv(a)`` [R, Zb] (masked atoms set to −∞ here)."""
     value = load_value()
     for a in range(n_act):
-        lg = jnp.where(valid, value + load_adv(a), _NEG)
-        e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
-        yield a, jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
+        yield a, expected_atoms(value + load_adv(a), valid, support)
 
 
 def _q_kernel(v_ref, vb_ref, a_ref, ab_ref, q_ref, *, b: int, z: int, zp: int, n_act: int,
@@ -237,11 +249,20 @@ def double_q_next(online: HeadStreams, target: HeadStreams | None, z: int, v_min
         return reference(online, target, z, v_min, v_max)
     b, args, offsets, bias_rows = _operands(online, target)
     args = jax.lax.stop_gradient(args)
+    kernel = functools.partial(_kernel, b=b, z=z, zp=zp, sizes=sizes, v_min=float(v_min),
+                               dz=float((v_max - v_min) / (z - 1)), offsets=offsets,
+                               bias_rows=bias_rows)
+    return selection_call(kernel, args, b, n_branches, zb, rows, num_warps, interpret,
+                          "double_q_next")
+
+
+def selection_call(kernel, args: list[Array], b: int, n_branches: int, zb: int, rows: int,
+                   num_warps: int, interpret: bool, name: str) -> tuple[Array, Array]:
+    """Run a double-Q selection ``kernel`` over ``b`` rows, ``rows`` per program: its outputs
+    ``(a* int32 [B, D], probs float32 [B, D, Zb])``, each program writing its rows' blocks."""
     bp = pl.cdiv(b, rows) * rows
     a, p = pl.pallas_call(
-        functools.partial(_kernel, b=b, z=z, zp=zp, sizes=sizes, v_min=float(v_min),
-                          dz=float((v_max - v_min) / (z - 1)), offsets=offsets,
-                          bias_rows=bias_rows),
+        kernel,
         out_shape=(jax.ShapeDtypeStruct((bp, n_branches), jnp.int32),
                    jax.ShapeDtypeStruct((bp, n_branches * zb), jnp.float32)),
         grid=(bp // rows,),
@@ -249,6 +270,6 @@ def double_q_next(online: HeadStreams, target: HeadStreams | None, z: int, v_min
                    pl.BlockSpec((rows, n_branches * zb), lambda i: (i, 0))),
         compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
         interpret=interpret,
-        name="double_q_next",
+        name=name,
     )(*args)
     return a[:b], p[:b].reshape(b, n_branches, zb)

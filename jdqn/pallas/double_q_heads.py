@@ -51,7 +51,6 @@ def kernel_name(matmul_dtype: str) -> str:
 
 ROWS_PER_PROGRAM = 32
 NUM_WARPS = 4
-_NEG = -1.0e30  # a masked atom's logit: probability 0, no inf arithmetic
 
 
 def reference(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
@@ -106,9 +105,7 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
             for f in range(n_flow)]  # [R, 1] each
 
     def expected(lg):  # [R, Zb] logits (masked atoms ignored) → E[Q] [R, 1]
-        lg = jnp.where(valid, lg, _NEG)
-        e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
-        return jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
+        return double_q.expected_atoms(lg, valid, support)
 
     chosen = None
     for net, (pre_ref, off) in enumerate(((pre_o, offsets[0]), (pre_t, offsets[1]))):
@@ -171,9 +168,7 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
             a_ref[...] = out
         else:
             for d in range(n_branches):
-                lg = jnp.where(valid, picks[d], _NEG)
-                e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
-                p_ref[:, pl.ds(d * zb, zb)] = e / jnp.sum(e, axis=1, keepdims=True)
+                p_ref[:, pl.ds(d * zb, zb)] = double_q.softmax_atoms(picks[d], valid)
 
 
 @functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "rows",
@@ -216,19 +211,9 @@ def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min:
     for inp in nets:
         args += _network_operands(inp, sizes, zb, dot_dtype)
     args = jax.lax.stop_gradient(args)
-    bp = pl.cdiv(b, rows) * rows
-    a, p = pl.pallas_call(
-        functools.partial(_kernel, b=b, z=z, sizes=sizes, hid=hid, n_flow=n_flow,
-                          v_min=float(v_min), dz=float((v_max - v_min) / (z - 1)),
-                          q_scale=float(max(abs(v_min), abs(v_max))), offsets=offsets,
-                          act=act),
-        out_shape=(jax.ShapeDtypeStruct((bp, n_branches), jnp.int32),
-                   jax.ShapeDtypeStruct((bp, n_branches * zb), jnp.float32)),
-        grid=(bp // rows,),
-        out_specs=(pl.BlockSpec((rows, n_branches), lambda i: (i, 0)),
-                   pl.BlockSpec((rows, n_branches * zb), lambda i: (i, 0))),
-        compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
-        interpret=interpret,
-        name="double_q_heads",
-    )(*args)
-    return a[:b], p[:b].reshape(b, n_branches, zb)
+    kernel = functools.partial(_kernel, b=b, z=z, sizes=sizes, hid=hid, n_flow=n_flow,
+                               v_min=float(v_min), dz=float((v_max - v_min) / (z - 1)),
+                               q_scale=float(max(abs(v_min), abs(v_max))), offsets=offsets,
+                               act=act)
+    return double_q.selection_call(kernel, args, b, n_branches, zb, rows, num_warps,
+                                   interpret, "double_q_heads")
