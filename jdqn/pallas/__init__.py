@@ -55,6 +55,15 @@ Kernels in this version:
   update 2.622–2.641 against 2.695–2.716 ms (float32, two machine sessions), then 2.637–2.650
   against 2.650–2.661 with the conditioning kernel; bf16 1.757–1.767 against 1.796–1.802 ms.
 
+* :func:`jdqn.pallas.double_q_heads.double_q_heads` — one step earlier: the C51 heads'
+  output layers at s′ (both networks, from their first layers' outputs,
+  :class:`jdqn.networks.heads.HeadInputs`) and the double-Q selection in one pass, so that
+  no output product is written (``"double_q_heads_bf16"``, ``"double_q_heads_f32"``). The
+  oracle is :func:`jdqn.pallas.double_q_heads.reference` (the head's own products, then the
+  double-Q oracle). Written on 2026-12-06 (twenty-third session) and tested in the
+  interpreter only: no GPU machine could be started after the session's first two calls, so
+  it has been neither compiled by Triton nor timed, and ``"auto"`` does not take it.
+
 * :func:`jdqn.pallas.iqn_tail.iqn_tail` — the IQN head's output stage (hidden bias, ReLU,
   output layer) over its first product's ``[B·Q, F]`` rows, with a backward kernel; float32
   or bf16.
