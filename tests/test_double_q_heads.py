@@ -115,6 +115,8 @@ def test_head_inputs_give_the_head_streams_bitwise():
                     jax.tree.leaves(streams.streams), strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(inputs.features, streams.features)
+    with pytest.raises(ValueError, match="streams = 'input': expected False, True or 'inputs'"):
+        net.apply(params, obs, grad_free=True, head_streams="input")
 
 
 def test_empty_batch_and_bad_settings():

@@ -267,6 +267,8 @@ class DuelingBranchingHead(nn.Module):
 
     @nn.compact
     def __call__(self, h: Array, obs: Array) -> tuple[Array, ...] | HeadStreams | HeadInputs:
+        if self.streams not in (False, True, "inputs"):
+            raise ValueError(f"streams = {self.streams!r}: expected False, True or 'inputs'")
         b, z, hid, md = h.shape[0], self.n_atoms, self.hidden, self.matmul_dtype
         width, n_flow = h.shape[-1], len(self.flow_idx)
         act, wide = act_dtype(md, h), wide_dtype(md, h)  # hidden layers / logits
@@ -284,18 +286,20 @@ class DuelingBranchingHead(nn.Module):
         w1 = jnp.concatenate([fc[s][0][:width] for s in streams], axis=1)  # [H, 5·hidden]
         b1 = jnp.concatenate([fc[s][1] for s in streams])
         pre = add_bias(matmul(h, w1, md, act), b1, self.impl)
+
+        def out_layer(s: str, a: int = 0) -> tuple[Array, Array, int]:  # as the head applies it
+            w, bias = out[s]
+            if a:  # an advantage stream: centred over its A_d actions (the dueling form)
+                w, bias = centre_actions(w, bias, a)
+            return pad_atoms(w, bias, max(a, 1))
+
         if self.streams:  # grad-free: the products (or their inputs), no logits at all
             names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
-            kernels, biases = [], []
-            for s, a in zip(streams, (0, *self.branch_sizes), strict=True):
-                w, bias = out[s]
-                if a:  # an advantage stream: centred over its A_d actions (the dueling form)
-                    w, bias = centre_actions(w, bias, a)
-                w, bias, _ = pad_atoms(w, bias, max(a, 1))
-                kernels.append(w)
-                biases.append(bias)
+            layers = [out_layer(s, a) for s, a in zip(streams, (0, *self.branch_sizes),
+                                                      strict=True)]
             flow = (obs[:, np.asarray(self.flow_idx)] if n_flow else obs[:, :0]).astype(wide)
-            inputs = HeadInputs(pre, flow, tuple(kernels), tuple(biases),
+            inputs = HeadInputs(pre, flow, tuple(w for w, _, _ in layers),
+                                tuple(bias for _, bias, _ in layers),
                                 fc[BRANCH_NAMES[MAGNITUDE]][0][width:],
                                 tuple(fc[n][0][width:] for n in names[ORDER_TYPE:]))
             if self.streams == "inputs":
@@ -304,11 +308,8 @@ class DuelingBranchingHead(nn.Module):
         pre = {s: pre[:, k * hid:(k + 1) * hid] for k, s in enumerate(streams)}
 
         def second(s: str, x: Array, a: int = 0) -> Array:  # [B, max(a, 1), Z], in `wide`
-            w, bias = out[s]
-            if a:  # an advantage stream: centred over its A_d actions (the dueling form)
-                w, bias = centre_actions(w, bias, a)
             n = max(a, 1)
-            w, bias, zp = pad_atoms(w, bias, n)
+            w, bias, zp = out_layer(s, a)
             y = matmul(nn.relu(x), w, md, wide)
             return add_bias(y, bias, self.impl).reshape(b, n, zp)[:, :, :z]
 
