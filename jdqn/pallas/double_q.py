@@ -128,17 +128,23 @@ def _kernel(*refs, b: int, z: int, zp: int, sizes: tuple[int, ...], v_min: float
                 lambda a, ao=ao, abo=abo: (_load(ao, row_o, a * zp + jc, full)
                                            + _load(abo, brow_o, a * zp + jc, valid)),
                 n_act, valid, support):
-            if best_q is None:
-                best_q, best_a = q, jnp.zeros((rows, 1), jnp.int32)
-            else:
-                better = q > best_q
-                best_q = jnp.where(better, q, best_q)
-                best_a = jnp.where(better, a, best_a)
+            best_q, best_a = running_argmax(best_q, best_a, q, a)
         cols = best_a * zp + jc  # [R, Zb]: each row's own action
         lg = value_t + _load(at, row_t, cols, full) + _load(abt, brow_t, cols, full)
         p_ref[:, pl.ds(d * zb, zb)] = softmax_atoms(lg, valid)
         chosen = jnp.where(col == d, best_a, chosen)
     a_ref[...] = chosen
+
+
+def running_argmax(best_q: Array | None, best_a: Array | None, q: Array,
+                   a: int) -> tuple[Array, Array]:
+    """In a kernel: the running ``(max, argmax)`` ``[R, 1]`` over actions taken in order, with
+    action ``a``'s ``q`` ``[R, 1]`` (``best_q = None`` before the first): a strictly larger Q
+    wins, so the first maximum is kept, as ``jnp.argmax`` keeps it."""
+    if best_q is None:
+        return q, jnp.zeros(q.shape, jnp.int32)
+    better = q > best_q
+    return jnp.where(better, q, best_q), jnp.where(better, a, best_a)
 
 
 def softmax_atoms(lg: Array, valid: Array) -> Array:

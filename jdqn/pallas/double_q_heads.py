@@ -150,12 +150,7 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
                     if d == 0:
                         q_dir.append(q)
                 if net == 0:  # the online network: the running argmax
-                    if best_q is None:
-                        best_q, best_a = q, jnp.zeros((rows, 1), jnp.int32)
-                    else:
-                        better = q > best_q
-                        best_q = jnp.where(better, q, best_q)
-                        best_a = jnp.where(better, a, best_a)
+                    best_q, best_a = double_q.running_argmax(best_q, best_a, q, a)
                 else:  # the target network: its logits at the online network's choice
                     sel = lg if sel is None else jnp.where(chosen[d] == a, lg, sel)
             picks.append(best_a if net == 0 else sel)
