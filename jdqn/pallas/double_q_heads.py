@@ -39,10 +39,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jdqn.networks.heads import HeadInputs, head_matmul_dtype, streams_from_inputs
+from jdqn.networks.heads import HeadInputs, streams_from_inputs
 from jdqn.pallas import double_q
 
 Array = jax.Array
+
 
 def kernel_name(matmul_dtype: str) -> str:
     """The kernel's name for ``use_pallas`` under ``ModelConfig.matmul_dtype``."""
@@ -191,9 +192,7 @@ def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min:
     b = one.pre.shape[0]
     if b == 0:
         return reference(online, target, z, v_min, v_max)
-    md = head_matmul_dtype(one)
-    act = one.pre.dtype
-    dot_dtype = jnp.bfloat16 if md == "bfloat16" else one.pre.dtype
+    act = one.pre.dtype  # bf16 exactly under bf16 matmuls: the dots' operands too
     if pair:
         pre = online.pre.reshape(2 * b, -1)  # a free reshape: both networks' rows, in place
         pre_o = pre_t = pre
@@ -204,7 +203,7 @@ def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min:
     args = [pre_o, pre_t, one.flow.astype(jnp.float32) if n_flow else
             jnp.zeros((b, 1), jnp.float32)]
     for inp in nets:
-        args += _network_operands(inp, sizes, zb, dot_dtype)
+        args += _network_operands(inp, sizes, zb, act)
     args = jax.lax.stop_gradient(args)
     kernel = functools.partial(_kernel, b=b, z=z, sizes=sizes, hid=hid, n_flow=n_flow,
                                v_min=float(v_min), dz=float((v_max - v_min) / (z - 1)),
