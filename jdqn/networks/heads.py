@@ -173,10 +173,18 @@ class HeadInputs(NamedTuple):
     flow_kernel: tuple[Array, Array]  # [F_o, hidden]: order type's and urgency's flow rows
 
 
-def head_matmul_dtype(inputs: HeadInputs) -> str:
-    """The ``ModelConfig.matmul_dtype`` a :class:`HeadInputs` was computed under (its ``pre``
-    is stored in bf16 exactly under bf16 matmuls)."""
-    return "bfloat16" if inputs.pre.dtype == jnp.bfloat16 else "float32"
+def _conditioned(pre_mag: Array, pre_flow: tuple[Array, Array], q_dir: Array,
+                 cond_kernel: Array, flow: Array, flow_kernel: tuple[Array, Array], wide: Any,
+                 act: Any) -> tuple[Array, tuple[Array, Array]]:
+    """The conditioned streams' inputs, each rounded to the stored dtype ``act`` once: the
+    magnitude stream's first-layer output plus the direction's scaled expected Q ``q_dir``
+    through its conditioning rows, and the order-type and urgency streams' plus the order flow
+    through theirs (as they are when there is no flow). The sums run in ``wide``."""
+    mag = (pre_mag.astype(wide) + _small_matmul(q_dir, cond_kernel)).astype(act)
+    if not flow.shape[-1]:
+        return mag, pre_flow
+    return mag, tuple((x.astype(wide) + _small_matmul(flow, w)).astype(act)
+                      for x, w in zip(pre_flow, flow_kernel, strict=True))
 
 
 def streams_from_inputs(inputs: HeadInputs, z: int, v_min: float, v_max: float,
@@ -188,7 +196,7 @@ def streams_from_inputs(inputs: HeadInputs, z: int, v_min: float, v_max: float,
     the order flow — what the grad-free head computes (``streams=True`` returns this)."""
     from jdqn.pallas.double_q import expected_q_streams
 
-    md = head_matmul_dtype(inputs)
+    md = "bfloat16" if inputs.pre.dtype == jnp.bfloat16 else "float32"  # (stored in bf16 then)
     act, wide = act_dtype(md, inputs.pre), wide_dtype(md, inputs.pre)
     hid = inputs.cond_kernel.shape[-1]
     pre = [inputs.pre[:, k * hid:(k + 1) * hid] for k in range(len(inputs.out_kernel))]
@@ -200,16 +208,10 @@ def streams_from_inputs(inputs: HeadInputs, z: int, v_min: float, v_max: float,
     value, direction = product(0, pre[0]), product(1, pre[1])
     q_dir = expected_q_streams(value, inputs.out_bias[0], direction, inputs.out_bias[1], z,
                                v_min, v_max, interpret).astype(wide)
-    q_dir = q_dir / max(abs(v_min), abs(v_max))
-    cond = _small_matmul(q_dir, inputs.cond_kernel)  # in `wide`
-    products = [value, direction, product(2, (pre[2].astype(wide) + cond).astype(act))]
-    for k, w in zip((3, 4), inputs.flow_kernel, strict=True):
-        x = pre[k]
-        if inputs.flow.shape[-1]:
-            x = (x.astype(wide) + _small_matmul(inputs.flow, w)).astype(act)
-        products.append(product(k, x))
-    return HeadStreams(products[0], inputs.out_bias[0], tuple(products[1:]),
-                       tuple(inputs.out_bias[1:]))
+    mag, rest = _conditioned(pre[2], (pre[3], pre[4]), q_dir / max(abs(v_min), abs(v_max)),
+                             inputs.cond_kernel, inputs.flow, inputs.flow_kernel, wide, act)
+    products = (direction, product(2, mag), product(3, rest[0]), product(4, rest[1]))
+    return HeadStreams(value, inputs.out_bias[0], products, tuple(inputs.out_bias[1:]))
 
 
 def _small_matmul(x: Array, w: Array) -> Array:
@@ -293,15 +295,14 @@ class DuelingBranchingHead(nn.Module):
                 w, bias = centre_actions(w, bias, a)
             return pad_atoms(w, bias, max(a, 1))
 
+        flow = (obs[:, np.asarray(self.flow_idx)] if n_flow else obs[:, :0]).astype(wide)
+        cond_kernel = fc[BRANCH_NAMES[MAGNITUDE]][0][width:]
+        flow_kernel = tuple(fc[BRANCH_NAMES[d]][0][width:] for d in (ORDER_TYPE, URGENCY))
         if self.streams:  # grad-free: the products (or their inputs), no logits at all
-            names = [BRANCH_NAMES[d] for d in range(len(self.branch_sizes))]
             layers = [out_layer(s, a) for s, a in zip(streams, (0, *self.branch_sizes),
                                                       strict=True)]
-            flow = (obs[:, np.asarray(self.flow_idx)] if n_flow else obs[:, :0]).astype(wide)
             inputs = HeadInputs(pre, flow, tuple(w for w, _, _ in layers),
-                                tuple(bias for _, bias, _ in layers),
-                                fc[BRANCH_NAMES[MAGNITUDE]][0][width:],
-                                tuple(fc[n][0][width:] for n in names[ORDER_TYPE:]))
+                                tuple(bias for _, bias, _ in layers), cond_kernel, flow_kernel)
             if self.streams == "inputs":
                 return inputs
             return streams_from_inputs(inputs, z, self.v_min, self.v_max)
@@ -321,18 +322,11 @@ class DuelingBranchingHead(nn.Module):
         direction = logits(DIRECTION, pre[BRANCH_NAMES[DIRECTION]])
         q_scale = max(abs(self.v_min), abs(self.v_max))
         q_dir = jax.lax.stop_gradient(expected_q(direction, support)) / q_scale  # [B, 4]
-        mag = BRANCH_NAMES[MAGNITUDE]
-        cond = _small_matmul(q_dir, fc[mag][0][width:])  # in `wide`
-        magnitude = logits(MAGNITUDE, (pre[mag].astype(wide) + cond).astype(act))
-        rest = []
-        for d in (ORDER_TYPE, URGENCY):
-            x = pre[BRANCH_NAMES[d]]
-            if n_flow:
-                flow = obs[:, np.asarray(self.flow_idx)].astype(wide)  # [B, F_o]
-                x = (x.astype(wide) + _small_matmul(flow, fc[BRANCH_NAMES[d]][0][width:])
-                     ).astype(act)
-            rest.append(logits(d, x))
-        return (direction, magnitude, *rest)
+        mag, rest = _conditioned(pre[BRANCH_NAMES[MAGNITUDE]],
+                                 tuple(pre[BRANCH_NAMES[d]] for d in (ORDER_TYPE, URGENCY)),
+                                 q_dir, cond_kernel, flow, flow_kernel, wide, act)
+        return (direction, logits(MAGNITUDE, mag),
+                *(logits(d, x) for d, x in zip((ORDER_TYPE, URGENCY), rest, strict=True)))
 
 
 def cosine_embedding(taus: Array, n_basis: int) -> Array:
