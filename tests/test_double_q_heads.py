@@ -133,6 +133,22 @@ def test_empty_batch_and_bad_settings():
         _run(three, three)
 
 
+@pytest.mark.parametrize("matmul_dtype", ["bfloat16", "float32"])
+def test_the_kernel_lowers_to_one_triton_call_for_cuda_on_any_machine(matmul_dtype):
+    """The kernel as the GPU runs it (not the interpreter's form) lowers to a single Triton
+    custom call for CUDA on a CPU-only machine: Pallas' Triton lowering of every load, dot and
+    reduction it uses, at both row counts the update's A/B tries — checked by tracing alone
+    (Triton's own compilation happens on the GPU: ``bench/kernels.py --kernel
+    double_q_heads``)."""
+    online, target = _inputs(matmul_dtype, (3, 5), 64)
+    for rows in (32, 64):
+        run = jax.jit(functools.partial(double_q_heads.double_q_heads, target=None, z=11,
+                                        v_min=V_MIN, v_max=V_MAX, rows=rows))
+        text = run.trace(_pair(online, target)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, rows
+        assert 'name = "double_q_heads"' in text, rows
+
+
 def _only(monkeypatch, *kernels):
     monkeypatch.setattr(total_module, "use_pallas", lambda impl, kernel: kernel in kernels)
 
