@@ -534,7 +534,7 @@ def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
             "results": _time_tiles(fns, (value_bias, streams), reps, compare, interpret)}
 
 
-def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, int]], dtype: str,
+def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype: str,
                          interpret: bool = False) -> dict:
     """The C51 heads' output layers and the double-Q selection at s′ in one kernel
     (``jdqn.pallas.double_q_heads``) at the update's shape: the default model's heads (two
@@ -543,8 +543,9 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, int]], dtype:
     at ``b`` rows of s′ under ``dtype`` matmuls → the online greedy action and the target's
     softmax there. Rows: the path the loss takes without the kernel (XLA's output GEMMs,
     ``expected_q_streams`` and the double-Q kernel, ``xla_products_double_q``) and the kernel
-    over tiles (rows per program, warps): actions differing from the first row's, the largest
-    probability difference, a bitwise repeat. ``pre`` comes first (the timing loop perturbs
+    over tiles (rows per program, warps, and with a third number the loop form's pipeline
+    stages; without it each branch's actions unrolled): actions differing from the first
+    row's, the largest probability difference, a bitwise repeat. ``pre`` comes first (the timing loop perturbs
     the first argument: an elementwise pass over it, in every row). ``interpret``: the kernel
     rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
     from jdqn.config import ModelConfig
@@ -574,10 +575,11 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, int]], dtype:
         streams_from_inputs(o, z, lo, hi, interpret), streams_from_inputs(t, z, lo, hi,
                                                                           interpret),
         z, lo, hi, interpret))}
-    for rows, warps in tiles:
-        fns[f"pallas_rows{rows}_w{warps}"] = pre_first(functools.partial(
-            double_q_heads.double_q_heads, z=z, v_min=lo, v_max=hi, interpret=interpret,
-            rows=rows, num_warps=warps))
+    for rows, warps, *stages in tiles:  # a third number: the loop form, pipelined that deep
+        fns[f"pallas_rows{rows}_w{warps}" + "".join(f"_s{k}" for k in stages)] = pre_first(
+            functools.partial(double_q_heads.double_q_heads, z=z, v_min=lo, v_max=hi,
+                              interpret=interpret, rows=rows, num_warps=warps,
+                              stages=stages[0] if stages else None))
     ref_a, ref_p = (np.asarray(x) for x in jax.jit(fns["xla_products_double_q"])(
         pre_o, *inputs))
 
@@ -693,9 +695,10 @@ def main() -> None:
                          "comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
-    ap.add_argument("--double-q-heads-tiles", default="32/4,64/4,16/4,32/8,64/8",
-                    help="fused heads + double-Q kernel tiles to time: rows/num_warps, "
-                         "comma-separated")
+    ap.add_argument("--double-q-heads-tiles", default="64/4,64/4/2,64/4/3,32/4/2",
+                    help="fused heads + double-Q kernel tiles to time: rows/num_warps "
+                         "(actions unrolled) or rows/num_warps/stages (the loop form, "
+                         "pipelined), comma-separated")
     ap.add_argument("--trunk-input-tiles", default="64/4,32/4,128/4,64/8,128/8",
                     help="trunk input kernels' tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--pair", type=int, default=1,

@@ -433,16 +433,16 @@ def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape()
 
 def test_kernels_bench_times_the_fused_heads_kernel_against_the_products_path():
     """``--kernel double_q_heads``: the default model's heads at s′ (bf16), the loss's path
-    without the kernel against the kernel at two tiles (in the interpreter): no action differs,
-    the same probabilities, each bitwise repeatable."""
+    without the kernel against the kernel at two tiles, unrolled and the loop form (in the
+    interpreter): no action differs, the same probabilities, each bitwise repeatable."""
     out = _kernels_bench("--kernel", "double_q_heads", "--batch", "32", "--reps", "1",
-                         "--double-q-heads-tiles", "32/4,16/2", "--dtype", "bfloat16",
+                         "--double-q-heads-tiles", "32/4,16/2/2", "--dtype", "bfloat16",
                          "--interpret")
     assert (out["kernel"], out["batch"], out["dtype"], out["interpret"]) == (
         "double_q_heads", 32, "bfloat16", True)
     assert out["branch_sizes"] == [4, 3, 3, 3] and out["flow_features"] == 8
     assert set(out["results"]) == {"xla_products_double_q", "pallas_rows32_w4",
-                                   "pallas_rows16_w2"}
+                                   "pallas_rows16_w2_s2"}
     for name, r in out["results"].items():
         assert r["us"] > 0 and r["bitwise_repeat"], name
         assert r["actions_differing"] == 0 and r["max_abs_diff"] < 1e-5, name

@@ -53,14 +53,15 @@ def _pair(online: HeadInputs, target: HeadInputs) -> HeadInputs:
     return jax.tree.map(lambda o, t: jnp.stack([o, t]), online, target)
 
 
-@pytest.mark.parametrize("matmul_dtype,flow_idx,b,rows",
-                         [("bfloat16", (3, 5), 37, 16), ("float32", (3, 5), 37, 32),
-                          ("bfloat16", (), 16, 16)])
-def test_kernel_matches_the_reference_pair_and_apart(matmul_dtype, flow_idx, b, rows):
+@pytest.mark.parametrize("matmul_dtype,flow_idx,b,rows,stages",
+                         [("bfloat16", (3, 5), 37, 16, None), ("float32", (3, 5), 37, 32, 2),
+                          ("bfloat16", (), 16, 16, 1), ("bfloat16", (3, 5), 37, 16, 3)])
+def test_kernel_matches_the_reference_pair_and_apart(matmul_dtype, flow_idx, b, rows, stages):
     """Greedy actions equal to the oracle's (the head's own products, then the double-Q
     selection), the target's probabilities to float32 rounding, zero on the padded atoms; two
     networks and the pair (one ``[2, …]`` tree, its ``pre`` read in place) give the same; the
-    rows choose different actions (a wrong row or action would show)."""
+    rows choose different actions (a wrong row or action would show). Each branch's actions
+    unrolled (``stages=None``) or as a loop (the form Triton pipelines) agree alike."""
     online, target = _inputs(matmul_dtype, flow_idx, b)
     assert online.pre.dtype == (jnp.bfloat16 if matmul_dtype == "bfloat16" else jnp.float32)
     assert online.flow.shape == (b, len(flow_idx))
@@ -68,8 +69,8 @@ def test_kernel_matches_the_reference_pair_and_apart(matmul_dtype, flow_idx, b, 
     assert want_a.shape == (b, 4) and want_p.shape == (b, 4, 16)
     for d in range(4):
         assert len(set(np.asarray(want_a[:, d]).tolist())) > 1, d
-    for got_a, got_p in (_run(online, target, rows=rows),
-                         _run(_pair(online, target), None, rows=rows)):
+    for got_a, got_p in (_run(online, target, rows=rows, stages=stages),
+                         _run(_pair(online, target), None, rows=rows, stages=stages)):
         np.testing.assert_array_equal(got_a, want_a)
         np.testing.assert_allclose(got_p, want_p, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got_p[..., 11:], 0.0)
@@ -128,6 +129,8 @@ def test_empty_batch_and_bad_settings():
         _run(online, target, rows=24)
     with pytest.raises(ValueError, match="rows = 8"):
         _run(online, target, rows=8)
+    with pytest.raises(ValueError, match="stages = 0"):
+        _run(online, target, stages=0)
     three = online._replace(out_kernel=online.out_kernel[:4], out_bias=online.out_bias[:4])
     with pytest.raises(ValueError, match="3 branches"):
         _run(three, three)
@@ -137,16 +140,16 @@ def test_empty_batch_and_bad_settings():
 def test_the_kernel_lowers_to_one_triton_call_for_cuda_on_any_machine(matmul_dtype):
     """The kernel as the GPU runs it (not the interpreter's form) lowers to a single Triton
     custom call for CUDA on a CPU-only machine: Pallas' Triton lowering of every load, dot and
-    reduction it uses, at both row counts the update's A/B tries — checked by tracing alone
+    reduction it uses, at two row counts, unrolled and as a loop — checked by tracing alone
     (Triton's own compilation happens on the GPU: ``bench/kernels.py --kernel
     double_q_heads``)."""
     online, target = _inputs(matmul_dtype, (3, 5), 64)
-    for rows in (32, 64):
+    for rows, stages in ((32, None), (64, None), (64, 2)):
         run = jax.jit(functools.partial(double_q_heads.double_q_heads, target=None, z=11,
-                                        v_min=V_MIN, v_max=V_MAX, rows=rows))
+                                        v_min=V_MIN, v_max=V_MAX, rows=rows, stages=stages))
         text = run.trace(_pair(online, target)).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, rows
-        assert 'name = "double_q_heads"' in text, rows
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, (rows, stages)
+        assert 'name = "double_q_heads"' in text, (rows, stages)
 
 
 def _only(monkeypatch, *kernels):

@@ -263,7 +263,8 @@ def double_q_next(online: HeadStreams, target: HeadStreams | None, z: int, v_min
 
 
 def selection_call(kernel, args: list[Array], b: int, n_branches: int, zb: int, rows: int,
-                   num_warps: int, interpret: bool, name: str) -> tuple[Array, Array]:
+                   num_warps: int, interpret: bool, name: str,
+                   num_stages: int | None = None) -> tuple[Array, Array]:
     """Run a double-Q selection ``kernel`` over ``b`` rows, ``rows`` per program: its outputs
     ``(a* int32 [B, D], probs float32 [B, D, Zb])``, each program writing its rows' blocks."""
     bp = pl.cdiv(b, rows) * rows
@@ -274,7 +275,8 @@ def selection_call(kernel, args: list[Array], b: int, n_branches: int, zb: int, 
         grid=(bp // rows,),
         out_specs=(pl.BlockSpec((rows, n_branches), lambda i: (i, 0)),
                    pl.BlockSpec((rows, n_branches * zb), lambda i: (i, 0))),
-        compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
+        compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps,
+                                                                        num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*args)

@@ -50,8 +50,9 @@ def kernel_name(matmul_dtype: str) -> str:
     return "double_q_heads_bf16" if matmul_dtype == "bfloat16" else "double_q_heads_f32"
 
 
-ROWS_PER_PROGRAM = 32
+ROWS_PER_PROGRAM = 64
 NUM_WARPS = 4
+STAGES = None  # None: each branch's actions unrolled; k: a loop over them, k-stage pipelined
 
 
 def reference(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
@@ -89,7 +90,8 @@ def _network_operands(inp: HeadInputs, sizes: tuple[int, ...], zb: int, dtype) -
 
 
 def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int,
-            v_min: float, dz: float, q_scale: float, offsets: tuple[int, int], act):
+            v_min: float, dz: float, q_scale: float, offsets: tuple[int, int], act,
+            loop: bool):
     pre_o, pre_t, flow_ref = refs[:3]
     per_net = 2 * (1 + len(sizes)) + 3
     nets = (refs[3:3 + per_net], refs[3 + per_net:3 + 2 * per_net])
@@ -108,6 +110,15 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
     def expected(lg):  # [R, Zb] logits (masked atoms ignored) → E[Q] [R, 1]
         return double_q.expected_atoms(lg, valid, support)
 
+    dcol = jax.lax.broadcasted_iota(jnp.int32, (1, 1 << (sizes[0] - 1).bit_length()), 1)
+
+    def over_actions(n, step, carry):  # step(a, carry) for a = 1 … n−1
+        if not loop:  # unrolled: straight-line code, every slice static
+            for a in range(1, n):
+                carry = step(a, carry)
+            return carry
+        return jax.lax.fori_loop(1, n, step, carry)  # a loop Triton can software-pipeline
+
     chosen = None
     for net, (pre_ref, off) in enumerate(((pre_o, offsets[0]), (pre_t, offsets[1]))):
         w = nets[net]
@@ -123,14 +134,15 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
             return y + out_b[k][:, pl.ds(a * zb, zb)]
 
         value = product(0, pre(0), 0)
-        picks = []  # per branch: (online) the argmax [R, 1]; (target) the logits at a* [R, Zb]
-        q_dir = []
+        picks = []  # (online) per branch the argmax [R, 1]
+        q_dir = None  # the direction's expected Q per action, [R, Dp] (columns past it −inf)
         for d, n_act in enumerate(sizes):
             if d == 0:
                 x = pre(1)
             elif d == 1:  # the magnitude stream: conditioned on the direction's expected Q
                 cond = None
-                for a, q in enumerate(q_dir):
+                for a in range(sizes[0]):
+                    q = jnp.max(jnp.where(dcol == a, q_dir, -jnp.inf), axis=1, keepdims=True)
                     t = (q / q_scale) * cond_w[pl.ds(a, 1), :]
                     cond = t if cond is None else cond + t
                 x = (pre(2).astype(jnp.float32) + cond).astype(act)
@@ -143,18 +155,41 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
                         t = flow[f] * fw[pl.ds(f, 1), :]
                         add = t if add is None else add + t
                     x = (x.astype(jnp.float32) + add).astype(act)
-            best_q = best_a = sel = None
-            for a in range(n_act):
-                lg = value + product(d + 1, x, a)
-                if d == 0 or net == 0:
-                    q = expected(lg)
+            xr = jnp.maximum(x, jnp.zeros((), x.dtype))
+
+            def logits(a, xr=xr, w=out_w[d + 1], bias=out_b[d + 1], value=value):
+                y = jnp.dot(xr, w[:, pl.ds(a * zb, zb)], preferred_element_type=jnp.float32)
+                return value + (y + bias[:, pl.ds(a * zb, zb)])
+
+            # action 0 starts each chain (the first maximum wins, as jnp.argmax), then the
+            # rest in order: the online network's running argmax, the target's logits at the
+            # online choice; the direction's expected Q kept per action for the conditioning
+            lg = logits(0)
+            q = expected(lg) if d == 0 or net == 0 else None
+            qd = jnp.where(dcol == 0, q, -jnp.inf) if d == 0 else None
+            if net == 0:
+                def step(a, c, logits=logits, d=d):
+                    best_q, best_a, qd = c
+                    q = expected(logits(a))
+                    qd = jnp.where(dcol == a, q, qd) if d == 0 else qd
+                    return (*double_q.running_argmax(best_q, best_a, q, a), qd)
+
+                carry = (q, jnp.zeros(q.shape, jnp.int32), qd if d == 0 else q)
+                _, best_a, qd = over_actions(n_act, step, carry)
+                picks.append(best_a)
+            else:
+                def step(a, c, logits=logits, d=d, chosen=chosen):
+                    sel, qd = c
+                    lg = logits(a)
                     if d == 0:
-                        q_dir.append(q)
-                if net == 0:  # the online network: the running argmax
-                    best_q, best_a = double_q.running_argmax(best_q, best_a, q, a)
-                else:  # the target network: its logits at the online network's choice
-                    sel = lg if sel is None else jnp.where(chosen[d] == a, lg, sel)
-            picks.append(best_a if net == 0 else sel)
+                        qd = jnp.where(dcol == a, expected(lg), qd)
+                    return jnp.where(chosen[d] == a, lg, sel), qd
+
+                sel, qd = over_actions(n_act, step, (lg, qd if d == 0 else lg[:, :1]))
+                # written at once: one branch's [R, Zb] logits live at a time, not four
+                p_ref[:, pl.ds(d * zb, zb)] = double_q.softmax_atoms(sel, valid)
+            if d == 0:
+                q_dir = qd
         if net == 0:
             chosen = picks
             col = jax.lax.broadcasted_iota(jnp.int32, (1, n_branches), 1)
@@ -162,16 +197,14 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
             for d in range(n_branches):
                 out = jnp.where(col == d, chosen[d], out)
             a_ref[...] = out
-        else:
-            for d in range(n_branches):
-                p_ref[:, pl.ds(d * zb, zb)] = double_q.softmax_atoms(picks[d], valid)
 
 
 @functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "rows",
-                                             "num_warps"))
+                                             "num_warps", "stages"))
 def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
                    v_max: float, interpret: bool = False, rows: int = ROWS_PER_PROGRAM,
-                   num_warps: int = NUM_WARPS) -> tuple[Array, Array]:
+                   num_warps: int = NUM_WARPS, stages: int | None = STAGES
+                   ) -> tuple[Array, Array]:
     """Same contract as :func:`reference` (and :func:`jdqn.pallas.double_q.double_q_next`):
     ``(a* int32 [B, D], probs float32 [B, D, Zb])`` from the online and target networks'
     :class:`~jdqn.networks.heads.HeadInputs` (``target=None``: ``online`` holds the pair,
@@ -189,6 +222,8 @@ def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min:
     if rows < 16 or rows & (rows - 1):
         raise ValueError(f"double_q_heads: rows = {rows}; Triton's dots need a power of two "
                          ">= 16")
+    if stages is not None and stages < 1:
+        raise ValueError(f"double_q_heads: stages = {stages}; None (unrolled) or 1 or more")
     b = one.pre.shape[0]
     if b == 0:
         return reference(online, target, z, v_min, v_max)
@@ -208,6 +243,6 @@ def double_q_heads(online: HeadInputs, target: HeadInputs | None, z: int, v_min:
     kernel = functools.partial(_kernel, b=b, z=z, sizes=sizes, hid=hid, n_flow=n_flow,
                                v_min=float(v_min), dz=float((v_max - v_min) / (z - 1)),
                                q_scale=float(max(abs(v_min), abs(v_max))), offsets=offsets,
-                               act=act)
+                               act=act, loop=stages is not None)
     return double_q.selection_call(kernel, args, b, n_branches, zb, rows, num_warps,
-                                   interpret, "double_q_heads")
+                                   interpret, "double_q_heads", num_stages=stages)
