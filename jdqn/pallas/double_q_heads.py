@@ -175,7 +175,7 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
             # online choice; the direction's expected Q kept per action for the conditioning
             lg = logits(0)
             q = expected(lg) if d == 0 or net == 0 else None
-            qd = jnp.where(dcol == 0, q, -jnp.inf) if d == 0 else None
+            qd = jnp.where(dcol == 0, q, -jnp.inf) if d == 0 else q_dir  # carried unchanged
             if net == 0:
                 def step(a, c, logits=logits, d=d):
                     best_q, best_a, qd = c
@@ -183,8 +183,7 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
                     qd = jnp.where(dcol == a, q, qd) if d == 0 else qd
                     return (*double_q.running_argmax(best_q, best_a, q, a), qd)
 
-                carry = (q, jnp.zeros(q.shape, jnp.int32), qd if d == 0 else q)
-                _, best_a, qd = over_actions(n_act, step, carry)
+                _, best_a, qd = over_actions(n_act, step, (q, jnp.zeros(q.shape, jnp.int32), qd))
                 picks.append(best_a)
             else:
                 def step(a, c, logits=logits, d=d, chosen=chosen):
@@ -194,11 +193,10 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
                         qd = jnp.where(dcol == a, expected(lg), qd)
                     return jnp.where(chosen[d] == a, lg, sel), qd
 
-                sel, qd = over_actions(n_act, step, (lg, qd if d == 0 else lg[:, :1]))
+                sel, qd = over_actions(n_act, step, (lg, qd))
                 # written at once: one branch's [R, Zb] logits live at a time, not four
                 p_ref[:, pl.ds(d * zb, zb)] = double_q.softmax_atoms(sel, valid)
-            if d == 0:
-                q_dir = qd
+            q_dir = qd
         if net == 0:
             chosen = picks
             col = jax.lax.broadcasted_iota(jnp.int32, (1, n_branches), 1)
