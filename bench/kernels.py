@@ -24,6 +24,10 @@ each reports the largest difference from the reference and whether two runs are 
 
 Each timing is a ``lax.fori_loop`` of ``--reps`` projections inside one jit (inputs perturbed
 per iteration so nothing is hoisted, the whole output consumed), after a warm-up call.
+
+``--out FILE`` writes the record to a file too. The kernels that sweep settings rewrite it
+after every setting (``"complete": false``, ``rows_so_far``), so a remote run capped by
+``timeout`` returns what it measured before the setting that ran past the cap.
 """
 
 from __future__ import annotations
@@ -250,11 +254,31 @@ def bench_modulation(b: int, reps: int, tiles: list[tuple[int, int]], q: int = 8
     return {"quantiles": q, "width": h, "results": _time_tiles(fns, args, reps, compare)}
 
 
+# --out: the file the record goes to, and the record's head (bench, kernel, device, …) that
+# each partial rewrite carries; set by main().
+_OUT: dict = {"path": None, "head": {}}
+
+
+def _write_out(record: dict) -> None:
+    if _OUT["path"]:
+        Path(_OUT["path"]).write_text(json.dumps(record) + "\n")
+
+
+def _emit(record: dict) -> None:
+    """The finished record: printed (the last line of stdout) and, with ``--out``, written
+    over the partial one, ``complete`` true."""
+    record = {**record, "complete": True}
+    print(json.dumps(record))
+    _write_out(record)
+
+
 def _time_tiles(fns: dict, args: tuple, reps: int, compare, interpret: bool = False) -> dict:
     """Per named function: µs per call (``seconds_per_call``) and what ``compare(a, a2)`` says
     of two runs' outputs; Pallas rows off the GPU are skipped unless they run in the
     interpreter (``interpret``), and a tile Triton rejects is recorded as its error. Each row is
-    also printed to stderr as it completes."""
+    also printed to stderr as it completes and, with ``--out``, the file rewritten with the rows
+    so far (``complete`` false): a setting that compiles or runs past a ``timeout`` leaves the
+    rows before it in the file."""
     results = {}
     for name, fn in fns.items():
         if name.startswith("pallas") and jax.default_backend() != "gpu" and not interpret:
@@ -268,6 +292,7 @@ def _time_tiles(fns: dict, args: tuple, reps: int, compare, interpret: bool = Fa
         except Exception as e:  # noqa: BLE001 — a tile Triton rejects is a result too
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+        _write_out({**_OUT["head"], "complete": False, "rows_so_far": results})
     return results
 
 
@@ -713,78 +738,85 @@ def main() -> None:
                          "iqn_tail(_grad) / moe_gate_grad / trunk_input: run the kernel in "
                          "Pallas' interpreter "
                          "(tests)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the record to this file, rewritten after every timed "
+                         "setting while the script runs (\"complete\": false, the rows so "
+                         "far), so a run cut short keeps what it measured")
     args = ap.parse_args()
+    if args.out is not None and not args.out.parent.is_dir():
+        ap.error(f"--out {args.out}: its folder {args.out.parent} does not exist")
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0
     dev = jax.devices()[0]
     meta = {"batch": b, "branches": d, "atoms": z,
             "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    _OUT.update(path=args.out, head={"bench": "kernels", "kernel": args.kernel, **meta})
     if args.kernel == "iqn":
-        print(json.dumps({"bench": "kernels", "kernel": "iqn",
-                          "float32": bench_iqn(b, args.reps, "float32"),
-                          "bfloat16": bench_iqn(b, args.reps, "bfloat16"), **meta}))
+        _emit({"bench": "kernels", "kernel": "iqn",
+               "float32": bench_iqn(b, args.reps, "float32"),
+               "bfloat16": bench_iqn(b, args.reps, "bfloat16"), **meta})
         return
     if args.kernel == "moe":
-        print(json.dumps({"bench": "kernels", "kernel": "moe",
-                          "results": bench_moe(b, args.reps, _tiles(args.moe_tiles)), **meta}))
+        _emit({"bench": "kernels", "kernel": "moe",
+               "results": bench_moe(b, args.reps, _tiles(args.moe_tiles)), **meta})
         return
     if args.kernel == "modulation":
-        print(json.dumps({"bench": "kernels", "kernel": "modulation",
-                          **bench_modulation(b, args.reps, _tiles(args.modulation_tiles)),
-                          **meta}))
+        _emit({"bench": "kernels", "kernel": "modulation",
+               **bench_modulation(b, args.reps, _tiles(args.modulation_tiles)),
+               **meta})
         return
     if args.kernel == "grn_tail":
-        print(json.dumps({"bench": "kernels", "kernel": "grn_tail",
-                          **bench_grn_tail(b, args.reps, _tiles(args.grn_tiles),
-                                           interpret=args.interpret),
-                          **meta}))
+        _emit({"bench": "kernels", "kernel": "grn_tail",
+               **bench_grn_tail(b, args.reps, _tiles(args.grn_tiles),
+                                interpret=args.interpret),
+               **meta})
         return
     if args.kernel == "grn_tail_grad":
-        print(json.dumps({"bench": "kernels", "kernel": "grn_tail_grad",
-                          **bench_grn_tail_grad(b, args.reps, _tiles(args.grn_grad_tiles),
-                                                interpret=args.interpret),
-                          **meta}))
+        _emit({"bench": "kernels", "kernel": "grn_tail_grad",
+               **bench_grn_tail_grad(b, args.reps, _tiles(args.grn_grad_tiles),
+                                     interpret=args.interpret),
+               **meta})
         return
     if args.kernel in ("iqn_tail", "iqn_tail_grad"):
         grad = args.kernel == "iqn_tail_grad"
         tiles = args.iqn_tail_grad_tiles if grad else args.iqn_tail_tiles
-        print(json.dumps({"bench": "kernels", "kernel": args.kernel,
-                          **bench_iqn_tail(b, args.reps, _tiles(tiles), grad,
-                                           interpret=args.interpret, dtype=args.dtype),
-                          **meta}))
+        _emit({"bench": "kernels", "kernel": args.kernel,
+               **bench_iqn_tail(b, args.reps, _tiles(tiles), grad,
+                                interpret=args.interpret, dtype=args.dtype),
+               **meta})
         return
     if args.kernel == "moe_gate_grad":
-        print(json.dumps({"bench": "kernels", "kernel": "moe_gate_grad",
-                          **bench_moe_gate_grad(b, args.reps, _tiles(args.moe_gate_tiles),
-                                                interpret=args.interpret),
-                          **meta}))
+        _emit({"bench": "kernels", "kernel": "moe_gate_grad",
+               **bench_moe_gate_grad(b, args.reps, _tiles(args.moe_gate_tiles),
+                                     interpret=args.interpret),
+               **meta})
         return
     if args.kernel == "trunk_input":
-        print(json.dumps({"bench": "kernels", "kernel": "trunk_input",
-                          **bench_trunk_input(b, args.reps, _tiles(args.trunk_input_tiles),
-                                              args.dtype, args.pair,
-                                              interpret=args.interpret), **meta}))
+        _emit({"bench": "kernels", "kernel": "trunk_input",
+               **bench_trunk_input(b, args.reps, _tiles(args.trunk_input_tiles),
+                                   args.dtype, args.pair,
+                                   interpret=args.interpret), **meta})
         return
     if args.kernel == "double_q_heads":
-        print(json.dumps({"bench": "kernels", "kernel": "double_q_heads",
-                          **bench_double_q_heads(b, args.reps,
-                                                 _tiles(args.double_q_heads_tiles), args.dtype,
-                                                 interpret=args.interpret), **meta}))
+        _emit({"bench": "kernels", "kernel": "double_q_heads",
+               **bench_double_q_heads(b, args.reps,
+                                      _tiles(args.double_q_heads_tiles), args.dtype,
+                                      interpret=args.interpret), **meta})
         return
     if args.kernel == "double_q":
-        print(json.dumps({"bench": "kernels", "kernel": "double_q",
-                          **bench_double_q(b, z, args.reps, _tiles(args.double_q_tiles),
-                                           interpret=args.interpret), **meta}))
+        _emit({"bench": "kernels", "kernel": "double_q",
+               **bench_double_q(b, z, args.reps, _tiles(args.double_q_tiles),
+                                interpret=args.interpret), **meta})
         return
     if args.kernel == "reduce":
-        print(json.dumps({"bench": "kernels", "kernel": "reduce",
-                          "dtype": args.dtype, "interpret": args.interpret,
-                          "results": bench_reduce(args.reps, _tiles(args.reduce_tiles), b,
-                                                  args.dtype, args.interpret), **meta}))
+        _emit({"bench": "kernels", "kernel": "reduce",
+               "dtype": args.dtype, "interpret": args.interpret,
+               "results": bench_reduce(args.reps, _tiles(args.reduce_tiles), b,
+                                       args.dtype, args.interpret), **meta})
         return
     if args.kernel == "c51_loss":
-        print(json.dumps({"bench": "kernels", "kernel": "c51_loss",
-                          "results": bench_c51_loss(b, d, z, args.reps), **meta}))
+        _emit({"bench": "kernels", "kernel": "c51_loss",
+               "results": bench_c51_loss(b, d, z, args.reps), **meta})
         return
     k = jax.random.split(jax.random.key(0), 3)
     tz = (jax.random.normal(k[0], (b, 1)) * 10
@@ -802,8 +834,9 @@ def main() -> None:
         results[name] = {"us": round(1e6 * sec, 1),
                          "max_abs_diff_vs_reference": float(np.max(np.abs(a - ref))),
                          "bitwise_repeat": bool(np.array_equal(a, a2))}
-    print(json.dumps({"bench": "kernels", "kernel": "c51_projection", "results": results,
-                      **meta}))
+    _emit({"bench": "kernels", "kernel": "c51_projection", "results": results,
+           **meta})
+
 
 if __name__ == "__main__":
     main()

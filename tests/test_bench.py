@@ -328,6 +328,43 @@ def _kernels_bench(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_kernels_bench_out_file_holds_each_setting_as_it_is_timed(tmp_path, capsys):
+    """``bench/kernels.py --out``: after each timed setting the file holds the record's head
+    and the rows so far (``complete`` false) — what a run cut short by ``timeout`` leaves —
+    and the finished record replaces it, the printed line and the file the same; an --out in
+    a missing folder is refused by name."""
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("kernels_bench", REPO / "bench" / "kernels.py")
+    kb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kb)
+    import jax.numpy as jnp
+
+    out = tmp_path / "k.json"
+    kb._OUT.update(path=out, head={"bench": "kernels", "kernel": "probe", "device": "d"})
+    seen = []
+
+    def second(x):  # traced after the first row was timed: what the file holds then
+        seen.append(json.loads(out.read_text()))
+        return x * 2.0
+
+    rows = kb._time_tiles({"first": lambda x: x + 1.0, "second": second}, (jnp.ones(8),), 1,
+                          lambda a, a2: {"bitwise_repeat": bool(jnp.array_equal(a, a2))})
+    assert seen[0]["complete"] is False and set(seen[0]["rows_so_far"]) == {"first"}
+    assert (seen[0]["bench"], seen[0]["kernel"], seen[0]["device"]) == ("kernels", "probe", "d")
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and partial["rows_so_far"] == rows
+    assert set(rows) == {"first", "second"} and all(r["us"] > 0 for r in rows.values())
+    capsys.readouterr()
+    kb._emit({"bench": "kernels", "kernel": "probe", "results": rows})
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text()) and printed["complete"] is True
+    assert printed["results"] == rows and "rows_so_far" not in printed
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--out",
+                          str(tmp_path / "none" / "k.json")], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "its folder" in bad.stderr and "does not exist" in bad.stderr
+
+
 def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
     out = _kernels_bench("--kernel", "reduce", "--batch", "128", "--reps", "2", "--reduce-tiles",
                          "32/256/4,16/64/4", "--interpret")
@@ -431,13 +468,15 @@ def test_kernels_bench_times_the_double_q_kernel_against_xla_at_the_pair_shape()
     assert out["results"]["xla_reference"]["max_abs_diff"] == 0.0
 
 
-def test_kernels_bench_times_the_fused_heads_kernel_against_the_products_path():
+def test_kernels_bench_times_the_fused_heads_kernel_against_the_products_path(tmp_path):
     """``--kernel double_q_heads``: the default model's heads at s′ (bf16), the loss's path
     without the kernel against the kernel at two tiles, unrolled and the loop form (in the
-    interpreter): no action differs, the same probabilities, each bitwise repeatable."""
+    interpreter): no action differs, the same probabilities, each bitwise repeatable; the
+    ``--out`` file holds the printed record, complete."""
     out = _kernels_bench("--kernel", "double_q_heads", "--batch", "32", "--reps", "1",
                          "--double-q-heads-tiles", "32/4,16/2/2", "--dtype", "bfloat16",
-                         "--interpret")
+                         "--interpret", "--out", str(tmp_path / "k.json"))
+    assert json.loads((tmp_path / "k.json").read_text()) == out and out["complete"] is True
     assert (out["kernel"], out["batch"], out["dtype"], out["interpret"]) == (
         "double_q_heads", 32, "bfloat16", True)
     assert out["branch_sizes"] == [4, 3, 3, 3] and out["flow_features"] == 8
