@@ -147,19 +147,23 @@ def running_argmax(best_q: Array | None, best_a: Array | None, q: Array,
     return jnp.where(better, q, best_q), jnp.where(better, a, best_a)
 
 
+def _shifted_exp(lg: Array, valid: Array) -> Array:
+    """``exp(lg − max lg)`` per row of logits ``[R, Zb]``, 0 where ``valid`` is false."""
+    lg = jnp.where(valid, lg, _NEG)
+    return jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+
+
 def softmax_atoms(lg: Array, valid: Array) -> Array:
     """In a kernel: the softmax over the atoms of logits ``[R, Zb]``, 0 where ``valid``
     ``[1, Zb]`` is false."""
-    lg = jnp.where(valid, lg, _NEG)
-    e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    e = _shifted_exp(lg, valid)
     return e / jnp.sum(e, axis=1, keepdims=True)
 
 
 def expected_atoms(lg: Array, valid: Array, support: Array) -> Array:
     """In a kernel: ``E[Q] = Σ softmax·z`` ``[R, 1]`` of logits ``[R, Zb]`` (atoms where
     ``valid`` is false left out), as ``Σ e·z / Σ e``."""
-    lg = jnp.where(valid, lg, _NEG)
-    e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    e = _shifted_exp(lg, valid)
     return jnp.sum(e * support, axis=1, keepdims=True) / jnp.sum(e, axis=1, keepdims=True)
 
 

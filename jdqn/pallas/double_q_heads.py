@@ -116,6 +116,9 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
     flow = [pl_triton.load(flow_ref.at[r, jnp.full((1, 1), f, jnp.int32)]).astype(jnp.float32)
             for f in range(n_flow)]  # [R, 1] each
 
+    def relu(x):  # in the stored dtype, as the head applies it
+        return jnp.maximum(x, jnp.zeros((), x.dtype))
+
     def expected(lg):  # [R, Zb] logits (masked atoms ignored) → E[Q] [R, 1]
         return double_q.expected_atoms(lg, valid, support)
 
@@ -137,12 +140,11 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
         def pre(k, pre_ref=pre_ref, off=off):  # stream k's first-layer output [R, hid]
             return pl_triton.load(pre_ref.at[r + off, k * hid + hcols])
 
-        def product(k, x, a, out_w=out_w, out_b=out_b):  # stream k, action a: [R, Zb] + bias
-            xr = jnp.maximum(x, jnp.zeros((), x.dtype))
+        def product(k, xr, a, out_w=out_w, out_b=out_b):  # stream k, action a: [R, Zb] + bias
             y = jnp.dot(xr, out_w[k][:, pl.ds(a * zb, zb)], preferred_element_type=jnp.float32)
             return y + out_b[k][:, pl.ds(a * zb, zb)]
 
-        value = product(0, pre(0), 0)
+        value = product(0, relu(pre(0)), 0)
         picks = []  # (online) per branch the argmax [R, 1]
         q_dir = None  # the direction's expected Q per action, [R, Dp] (columns past it −inf)
         for d, n_act in enumerate(sizes):
@@ -164,11 +166,10 @@ def _kernel(*refs, b: int, z: int, sizes: tuple[int, ...], hid: int, n_flow: int
                         t = flow[f] * fw[pl.ds(f, 1), :]
                         add = t if add is None else add + t
                     x = (x.astype(jnp.float32) + add).astype(act)
-            xr = jnp.maximum(x, jnp.zeros((), x.dtype))
+            xr = relu(x)
 
-            def logits(a, xr=xr, w=out_w[d + 1], bias=out_b[d + 1], value=value):
-                y = jnp.dot(xr, w[:, pl.ds(a * zb, zb)], preferred_element_type=jnp.float32)
-                return value + (y + bias[:, pl.ds(a * zb, zb)])
+            def logits(a, xr=xr, d=d, value=value, product=product):
+                return value + product(d + 1, xr, a)
 
             # action 0 starts each chain (the first maximum wins, as jnp.argmax), then the
             # rest in order: the online network's running argmax, the target's logits at the
