@@ -60,11 +60,13 @@ Kernels in this version:
   :class:`jdqn.networks.heads.HeadInputs`) and the double-Q selection in one pass, so that
   no output product is written (``"double_q_heads_bf16"``, ``"double_q_heads_f32"``). The
   oracle is :func:`jdqn.pallas.double_q_heads.reference` (the head's own products, then the
-  double-Q oracle). On the H100 (2026-12-06, twenty-fourth session) it compiles and agrees
-  (every action the same, probabilities within 3e-5, bitwise repeatable) but is slower than
-  the path it replaces: 403 µs at 64 rows / 4 warps against 260 µs for XLA's output
-  GEMMs, ``expected_q_streams`` and the double-Q kernel
-  (``kernels_h100_bf16_double_q_heads_rejected.json``), so ``"auto"`` does not take it.
+  double-Q oracle). On the H100 (2026-12-06) it compiles and agrees (every action the same,
+  probabilities within 3e-5, bitwise repeatable). Unrolled it takes 403 µs at 64 rows / 4
+  warps; as a Triton-pipelined loop over each branch's actions (the default), 269 µs, level
+  with the 264 µs of XLA's output GEMMs, ``expected_q_streams`` and the double-Q kernel
+  (``kernels_h100_bf16_double_q_heads_{rejected,loop}.json``). In the update it is ~30 µs
+  slower (``train_h100_bf16_double_q_heads_ab_rejected.json``), so ``"auto"`` does not take
+  it.
 
 * :func:`jdqn.pallas.iqn_tail.iqn_tail` — the IQN head's output stage (hidden bias, ReLU,
   output layer) over its first product's ``[B·Q, F]`` rows, with a backward kernel; float32

@@ -28,9 +28,11 @@ Triton software-pipelines ``k`` deep, prefetching the next action's output-layer
 the current one's softmax runs — the same arithmetic in the same order.
 
 Measured on the H100 (bf16, the pair at B = 16384, ``bench/results/
-kernels_h100_bf16_double_q_heads_rejected.json``): unrolled, 403 µs at 64 rows / 4 warps
-against 257–260 µs for the path it replaces, so ``impl = "auto"`` does not take it; the loop
-form is not yet timed.
+kernels_h100_bf16_double_q_heads_{rejected,loop}.json``): unrolled, 402–403 µs at 64 rows /
+4 warps; as a loop, 269 µs with 3 stages (270 with 2), so the loop is the default — level
+with, not below, the 257–264 µs of the path it replaces. In the update it costs ~30 µs
+(1.670–1.675 against 1.633–1.651 ms, ``train_h100_bf16_double_q_heads_ab_rejected.json``), so
+``impl = "auto"`` does not take it.
 
 The oracle is :func:`reference`: :func:`~jdqn.networks.heads.streams_from_inputs` (the head's
 own grad-free path) followed by :func:`jdqn.pallas.double_q.reference`. The kernel agrees to
@@ -61,7 +63,7 @@ def kernel_name(matmul_dtype: str) -> str:
 
 ROWS_PER_PROGRAM = 64
 NUM_WARPS = 4
-STAGES = None  # None: each branch's actions unrolled; k: a loop over them, k-stage pipelined
+STAGES = 3  # None: each branch's actions unrolled; k: a loop over them, k-stage pipelined
 
 
 def reference(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
