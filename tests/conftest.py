@@ -75,6 +75,26 @@ def _no_cache_writes_in_test_processes():
     yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_after_each_file():
+    """Drop JAX's compiled programs when a test file ends (``jax.clear_caches()``).
+
+    XLA's CPU backend maps each compiled program's code into the process (a few memory
+    mappings per kernel), and JAX keeps every program it compiled alive in its caches. A worker
+    that runs half the suite crossed Linux's default ``vm.max_map_count`` (65530) near its end,
+    and the next compilation then died in native code (a segmentation fault or an abort, 2026-12-06,
+    at 64,741 mappings), which took the xdist worker down. Programs are rarely shared between
+    files (each file runs whole on one worker), so releasing them per file keeps a worker's
+    mappings to what one file needs at a cost of a few recompilations."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 # Test files by measured cost, heaviest first (worker-seconds in a `--durations=0` run of
 # 2026-12-05 under `--dist loadfile`: test_training 317, test_pallas 189, test_bench 175,
 # test_distributed 119, test_ahead 88, test_quickstart 85, test_networks 81, test_folds 78,
