@@ -75,24 +75,38 @@ def _no_cache_writes_in_test_processes():
     yield
 
 
+def _memory_mappings() -> tuple[int, int] | None:
+    """``(this process's memory mappings, vm.max_map_count)`` on Linux, else None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs_after_each_file():
-    """Drop JAX's compiled programs when a test file ends (``jax.clear_caches()``).
+def _release_compiled_programs_when_mappings_run_high():
+    """Drop JAX's compiled programs (``jax.clear_caches()``) when a test file ends with this
+    process holding more than a third of the kernel's limit on memory mappings.
 
-    XLA's CPU backend maps each compiled program's code into the process (a few memory
-    mappings per kernel), and JAX keeps every program it compiled alive in its caches. A worker
-    that runs half the suite crossed Linux's default ``vm.max_map_count`` (65530) near its end,
-    and the next compilation then died in native code (a segmentation fault or an abort, 2026-12-06,
-    at 64,741 mappings), which took the xdist worker down. Programs are rarely shared between
-    files (each file runs whole on one worker), so releasing them per file keeps a worker's
-    mappings to what one file needs at a cost of a few recompilations."""
+    XLA's CPU backend maps each compiled program's code into the process (a few mappings per
+    kernel), and JAX keeps every program it compiled alive in its caches. A worker that ran
+    half the suite crossed Linux's default ``vm.max_map_count`` (65530) near its end (2026-12-06:
+    64,741 mappings), and its next compilation died in native code (a segmentation fault, an
+    abort), taking the xdist worker down. Releasing the programs at a file boundary keeps a
+    worker far from the limit (one file needs at most ~21,000); below the threshold the
+    programs stay, for a later file on the same worker that compiles the same ones."""
     yield
-    import gc
+    seen = _memory_mappings()
+    if seen is not None and seen[0] > seen[1] // 3:
+        import gc
 
-    import jax
+        import jax
 
-    jax.clear_caches()
-    gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 # Test files by measured cost, heaviest first (worker-seconds in a `--durations=0` run of
