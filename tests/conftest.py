@@ -46,7 +46,6 @@ if os.environ.get("JDQN_TEST_FAST_COMPILE", "1") != "0" and not _cuda_jax():
         os.environ["XLA_FLAGS"] = " ".join(_have + _add)
 
 
-
 def default_pipeline_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess that compiles with XLA's default CPU pipeline: this
     process's, less the :data:`FAST_COMPILE` flags (and told not to add them back). For the
