@@ -299,7 +299,7 @@ def _mgpu_rs(text: str) -> tuple:
     return int(f[0]), int(f[1]), probes[0] if probes else "", approx
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--width", type=int, default=256)
@@ -333,7 +333,7 @@ def main() -> None:
                          "rewrite's time subtracted)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--out", default="")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     tiles = [tuple(int(v) for v in t.split("/")) for t in a.tiles.split(",") if t]
     mgpu = [_mgpu_tile(t) for t in a.mgpu_tiles.split(",") if t]
     rs = [_mgpu_rs(t) for t in a.mgpu_rs.split(",") if t]

@@ -689,7 +689,7 @@ def _tiles(spec: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in t.split("/")) for t in spec.split(",")]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("c51_projection", "c51_loss", "iqn", "moe",
                                          "modulation", "reduce", "grn_tail", "grn_tail_grad",
@@ -742,7 +742,7 @@ def main() -> None:
                     help="also write the record to this file, rewritten after every timed "
                          "setting while the script runs (\"complete\": false, the rows so "
                          "far), so a run cut short keeps what it measured")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.out is not None and not args.out.parent.is_dir():
         ap.error(f"--out {args.out}: its folder {args.out.parent} does not exist")
     b, d, z, v_min, v_max = args.batch, args.branches, args.atoms, -25.0, 25.0

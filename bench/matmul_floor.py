@@ -231,7 +231,7 @@ def stream_tb_s(repeats: int, mbytes: int = 1024) -> float:
     return 2 * x.nbytes / us / 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "gpu.toml"))
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
@@ -245,7 +245,7 @@ def main() -> None:
                          "with it split into S parts (comma-separated S), e.g. 2,4,8")
     ap.add_argument("--split-min", type=int, default=4096)
     ap.add_argument("--set", dest="sets", action="append", default=[])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         splits = [int(x) for x in args.split_k.split(",") if x.strip()]
     except ValueError:

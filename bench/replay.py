@@ -55,7 +55,7 @@ def filled(capacity: int, n_port: int = 7) -> per.ReplayState:
     return st.replace(priorities=pr.astype(jnp.float32), max_priority=jnp.max(pr))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capacity", type=int, default=4_000_000)
     ap.add_argument("--batch", type=int, default=16384)
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0,
                     help="trace this many sample calls per implementation (0: none)")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     if not impls or any(i not in ("xla", "pallas") for i in impls):
         ap.error(f"--impls {args.impls!r}: expected a comma-separated subset of xla,pallas")

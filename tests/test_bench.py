@@ -29,6 +29,26 @@ def _bench(tmp_path: Path, script: str, *args: str) -> dict:
     return printed
 
 
+def _refused(capsys, script: str, *args: str) -> str:
+    """``bench/<script>``'s ``main(args)`` run in this process (no interpreter and JAX start-up
+    per bad argument; the scripts' good runs stay subprocesses): it must stop with a non-zero
+    exit, and its message — an argparse error's stderr or the ``SystemExit`` text, which a
+    subprocess would print to stderr — is returned."""
+    sys.path.insert(0, str(REPO / "bench"))
+    name = f"_refused_{Path(script).stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        sys.modules[name].main(list(args))
+    code = stop.value.code
+    assert code not in (0, None), f"{script} {args}: exited {code!r}"
+    return code if isinstance(code, str) else capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_train_bench_reports_updates_and_its_kernel_selection(tmp_path):
     printed = _bench(tmp_path, "train.py", "--quick", "--batches", "64", "--repeats", "1",
@@ -359,10 +379,8 @@ def test_kernels_bench_out_file_holds_each_setting_as_it_is_timed(tmp_path, caps
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text()) and printed["complete"] is True
     assert printed["results"] == rows and "rows_so_far" not in printed
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "kernels.py"), "--out",
-                          str(tmp_path / "none" / "k.json")], check=False,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "its folder" in bad.stderr and "does not exist" in bad.stderr
+    bad = _refused(capsys, "kernels.py", "--out", str(tmp_path / "none" / "k.json"))
+    assert "its folder" in bad and "does not exist" in bad
 
 
 def test_kernels_bench_times_the_tree_sum_at_the_updates_bias_shapes():
@@ -556,7 +574,7 @@ def test_matmul_floor_split_k_is_the_same_product_in_parts():
 
 
 @pytest.mark.slow
-def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
+def test_matmul_floor_finds_the_updates_matmuls(tmp_path, capsys):
     """The dots collected from one traced ``train_step`` carry the model's training FLOPs (the
     analytic count of ``train_flops_per_sample``, to 5 %: that count takes the backward as twice
     the forward, including the input layer's ∂obs, which is never computed), and the CPU smoke
@@ -615,10 +633,8 @@ def test_matmul_floor_finds_the_updates_matmuls(tmp_path):
         k = r["lhs"][0][r["dimension_numbers"][0][0][0]]
         assert set(r["split_k"]) == {str(s) for s in (2, 3) if k % s == 0}, r
         assert all(v["us"] > 0 and v["max_rel_diff"] < 1e-5 for v in r["split_k"].values()), r
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "matmul_floor.py"), "--quick",
-                          "--split-k", "4,1"], check=False, capture_output=True, text=True,
-                         cwd=tmp_path)
-    assert bad.returncode != 0 and "--split-k '4,1': each split must be at least 2" in bad.stderr
+    bad = _refused(capsys, "matmul_floor.py", "--quick", "--split-k", "4,1")
+    assert "--split-k '4,1': each split must be at least 2" in bad
 
 
 def test_xla_flags_sweep_keeps_failures_and_brackets_the_base(tmp_path, monkeypatch, capsys):
@@ -681,7 +697,7 @@ def test_backtest_bench_compares_chunk_lengths_on_the_same_records(tmp_path):
 
 
 @pytest.mark.slow
-def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
+def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path, capsys):
     printed = _bench(tmp_path, "replay.py", "--capacity", "5000", "--batch", "256", "--reps", "3")
     assert printed["capacity"] == 5000 and printed["batch"] == 256
     assert set(printed["us"]) == {"sample", "update_sorting", "update_sorted",
@@ -697,9 +713,7 @@ def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path):
     assert one["us"]["sums_pallas_warps2"] > 0 and "parity" not in one
     assert set(one["profile"]) == {"pallas"}  # (no device kernels on the CPU: a host trace)
     assert set(one["profile"]["pallas"]) == {"device_busy_us_per_call", "kernels_per_call", "top"}
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "replay.py"), "--impls", "cuda"],
-                         check=False, capture_output=True, text=True, cwd=tmp_path)
-    assert bad.returncode == 2 and "--impls 'cuda'" in bad.stderr
+    assert "--impls 'cuda'" in _refused(capsys, "replay.py", "--impls", "cuda")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -764,7 +778,7 @@ def test_fused_grn_bench_kernel_is_the_models_grn_block(tmp_path):
     assert out["results"]["fused_r16_w4_c16_s2"]["max_abs_diff"] < 0.05
 
 
-def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path):
+def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path, capsys):
     """``--inputs model``: block 1's input is block 0's output on block 0's input (the XLA
     path, to bf16 rounding), each parameter set its own initialisation, the weights folded as
     the network folds them; the script runs on them and names them; a third block is
@@ -796,11 +810,9 @@ def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path):
                  "--inputs", "model", "--block", "1", "--pair", "0")
     assert out["inputs"] == "model block 1" and set(out["results"]) == {"xla"}
     assert 0.5 < out["x_std"] < 2
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--inputs",
-                          "model", "--block", "2", "--tiles", "", "--batch", "64",
-                          "--width", "64"], check=False, capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode != 0 and "--block 2: the model has GRN blocks 0 and 1" in bad.stderr
+    bad = _refused(capsys, "fused_grn.py", "--inputs", "model", "--block", "2", "--tiles", "",
+                   "--batch", "64", "--width", "64")
+    assert "--block 2: the model has GRN blocks 0 and 1" in bad
     # block 0's parameters with block 1's input (scaled): the diagnosis of a value-dependent
     # time pairs each block's parameters with the other's input
     swap = fg.model_args(64, 64, 2, "bfloat16", 0, x_block=1, x_scale=0.5)
@@ -816,10 +828,9 @@ def test_fused_grn_bench_takes_a_grn_blocks_own_inputs_in_the_model(tmp_path):
     assert out["x_std"] == pytest.approx(2.0, rel=0.25)  # block 1's LayerNorm'd input × 2
     for flags, msg in ((("--x-block", "3"), "--x-block 3: the model has GRN blocks 0 and 1"),
                        (("--x-scale", "0"), "--x-scale 0.0: must be a positive finite")):
-        bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--inputs",
-                              "model", *flags, "--tiles", "", "--batch", "64", "--width", "64"],
-                             check=False, capture_output=True, text=True, timeout=300)
-        assert bad.returncode != 0 and msg in bad.stderr, bad.stderr
+        bad = _refused(capsys, "fused_grn.py", "--inputs", "model", *flags, "--tiles", "",
+                       "--batch", "64", "--width", "64")
+        assert msg in bad, bad
 
 
 def _grn_block_sets(h: int = 128, m: int = 128):
@@ -863,7 +874,7 @@ def _grn_block_sets(h: int = 128, m: int = 128):
     return fm, sets, stacked, assert_model
 
 
-def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
+def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path, capsys):
     """bench/fused_grn_mgpu.py's wgmma kernel (JAX's GPU interpreter, η through shared memory)
     computes what GRNBlock computes on the GPU (the grad-free block with its tail kernel,
     ``impl = "pallas"``) in bf16, bit for bit but for rare last-bit differences, for two
@@ -911,18 +922,14 @@ def test_fused_grn_mosaic_gpu_kernel_is_the_models_grn_block(tmp_path):
     for tiles, message in (("64/64", "is not tm/c2"), ("64/x/2/regs", "c2 = 'x'"),
                            ("64/64/0/regs", "stages = '0'"), ("64/64/2/reg", "eta_in = 'reg'"),
                            ("64/64/2/regs/2/no-ln", "probe = 'no-ln'")):
-        bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"),
-                              "--mgpu-tiles", tiles], check=False, capture_output=True,
-                             text=True, timeout=120)
-        assert bad.returncode != 0 and message in bad.stderr, (tiles, bad.stderr[-500:])
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--mgpu-tiles",
-                          "64/64/2/regs", "--dtype", "float32"], check=False,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--mgpu-tiles: the Mosaic GPU kernel runs bf16 only" \
-        in bad.stderr
+        bad = _refused(capsys, "fused_grn.py", "--mgpu-tiles", tiles)
+        assert message in bad, (tiles, bad[-500:])
+    bad = _refused(capsys, "fused_grn.py", "--mgpu-tiles", "64/64/2/regs", "--dtype", "float32")
+    assert "--mgpu-tiles: the Mosaic GPU kernel runs bf16 only" in bad
 
 
-def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block(tmp_path):
+def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block(tmp_path,
+                                                                                  capsys):
     """bench/fused_grn_mgpu.py's ``fused_rs`` (s in registers, rings through one aliased
     buffer; JAX's GPU interpreter) computes what GRNBlock computes on the GPU, for two
     parameter sets at once, at widths of two and four column blocks and with rings of one
@@ -963,9 +970,8 @@ def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block
                            (["--mgpu-rs", "2/0"], "stages2 = '0'"),
                            (["--mgpu-rs", "2/3/fast"], "options 'fast'"),
                            (["--mgpu-rs", "2/3/no_ln+no_act"], "options 'no_ln+no_act'")):
-        bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), *flags],
-                             check=False, capture_output=True, text=True, timeout=120)
-        assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
+        bad = _refused(capsys, "fused_grn.py", *flags)
+        assert message in bad, (flags, bad[-500:])
 
 
 def test_fused_grn_bench_runs_the_products_kernel_in_float32(tmp_path):
@@ -1026,7 +1032,8 @@ def test_trace_neighbours_shows_each_launch_with_the_idle_gap_before_it(tmp_path
     assert bad.returncode != 0 and "no Perfetto trace (*.json.gz) under it" in bad.stderr
 
 
-def test_timed_loop_can_rewrite_a_buffer_before_each_call_and_fused_grn_times_it(tmp_path):
+def test_timed_loop_can_rewrite_a_buffer_before_each_call_and_fused_grn_times_it(tmp_path,
+                                                                                capsys):
     """bench/timing.py's loop with ``evict_bytes``: a float32 buffer of that size, rewritten
     whole behind a barrier and chained into each call's input, the calls' results unchanged;
     without it the loop has no such buffer. fused_grn --evict-l2-mb reports the cold time and
@@ -1050,8 +1057,5 @@ def test_timed_loop_can_rewrite_a_buffer_before_each_call_and_fused_grn_times_it
                  "--pair", "0", "--reps", "2", "--evict-l2-mb", "1")
     assert out["evict_mb"] == 1.0 and out["evict_us"] > 0
     assert {"us", "us_cold"} <= set(out["results"]["xla"])
-    bad = subprocess.run([sys.executable, str(REPO / "bench" / "fused_grn.py"), "--tiles", "",
-                          "--evict-l2-mb", "-1"], check=False, capture_output=True, text=True,
-                         timeout=300)
-    assert bad.returncode != 0 and "--evict-l2-mb -1.0: must be a finite number >= 0" in \
-        bad.stderr
+    bad = _refused(capsys, "fused_grn.py", "--tiles", "", "--evict-l2-mb", "-1")
+    assert "--evict-l2-mb -1.0: must be a finite number >= 0" in bad

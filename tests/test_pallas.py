@@ -367,15 +367,22 @@ def test_total_loss_sends_only_the_target_network_through_the_iqn_kernel(monkeyp
     k = jax.random.split(jax.random.key(3), 5)
     params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
     batch = _small_batch(k[2], k[3], len(cfg.branch_sizes))
-    # not jitted: the target's parameters stay concrete through stop_gradient, so the kernel's
-    # weights below are compared as values
-    jax.grad(lambda p: total_loss(p, target, batch, k[4], init_moe_state(3), 0.5,
-                                  net=net, train_cfg=TrainConfig())[0])(params)
+
+    def loss(p, t):  # the kernel calls' τ-embedding weights, traced, as outputs to compare
+        seen.clear()
+        value = total_loss(p, t, batch, k[4], init_moe_state(3), 0.5, net=net,
+                           train_cfg=TrainConfig())[0]
+        return value, list(seen)
+
+    # jitted (one program, not hundreds of eager ones); the target is an argument of its own,
+    # so the weights the kernel got are the target network's only if they equal its values
+    _, weights = jax.jit(jax.grad(loss, has_aux=True))(params, target)
     if taus == "batch":
-        assert seen == []
+        assert weights == []
         return
-    (we,) = seen  # one kernel call, with the target network's weights
+    (we,) = weights  # one kernel call, with the target network's weights
     np.testing.assert_array_equal(we, target["params"]["iqn"]["tau_embed"]["kernel"])
+    assert np.abs(np.asarray(we) - params["params"]["iqn"]["tau_embed"]["kernel"]).max() > 0
 
 
 def test_grad_free_forward_uses_the_kernel_only_for_the_target_network(monkeypatch):
