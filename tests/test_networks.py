@@ -640,8 +640,9 @@ def test_c51_output_layers_write_their_atoms_padded_to_aligned_rows(params):
 
 def _assert_same_values_and_grads(fn, ref, params):
     """``fn(params)`` and ``ref(params)`` (tuples of float64 arrays) agree, and so do the
-    gradients of a random linear functional of them w.r.t. every parameter."""
-    got, want = fn(params), ref(params)
+    gradients of a random linear functional of them w.r.t. every parameter. Each side runs as
+    one jitted program (eagerly, every small operation would compile on its own)."""
+    got, want = jax.jit(fn)(params), jax.jit(ref)(params)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
     cts = [jax.random.normal(jax.random.key(i), g.shape, jnp.float64) for i, g in enumerate(got)]
@@ -649,7 +650,8 @@ def _assert_same_values_and_grads(fn, ref, params):
     def loss(out):
         return sum(jnp.vdot(c, o) for c, o in zip(cts, out, strict=True))
 
-    g_fn, g_ref = jax.grad(lambda p: loss(fn(p)))(params), jax.grad(lambda p: loss(ref(p)))(params)
+    g_fn = jax.jit(jax.grad(lambda p: loss(fn(p))))(params)
+    g_ref = jax.jit(jax.grad(lambda p: loss(ref(p))))(params)
     for g, w in zip(jax.tree.leaves(g_fn), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
