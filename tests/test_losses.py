@@ -750,20 +750,24 @@ def test_batch_td_and_iqn_losses_match_vmapped_per_sample_losses():
         reward = normal(k[4], (b,), jnp.float64) * 4
         discount = jnp.where(jnp.arange(b) % 5 == 0, 0.0, 0.9)
         support = jnp.linspace(v_min, v_max, z)
+        # each side one jitted program (eagerly, every small operation compiles on its own)
+        td_batch = jax.jit(branching_td_loss_batch, static_argnums=(6, 7))
+        td_ref = jax.jit(jax.vmap(branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None)))
         for alpha in (0.0, 0.3, 1.0):
-            got = branching_td_loss_batch(logits, action, reward, discount, tlogits, sel,
-                                          v_min, v_max, jnp.float64(alpha))
-            want = jax.vmap(branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
-                logits, action, reward, discount, tlogits, sel, support, jnp.float64(alpha))
+            got = td_batch(logits, action, reward, discount, tlogits, sel, v_min, v_max,
+                           jnp.float64(alpha))
+            want = td_ref(logits, action, reward, discount, tlogits, sel, support,
+                          jnp.float64(alpha))
             for key in ("td", "sq", "ce", "target_mean"):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-12)
         # gradients w.r.t. the online logits agree too
-        g_batch = jax.grad(lambda lg: jnp.sum(branching_td_loss_batch(
-            lg, action, reward, discount, tlogits, sel, v_min, v_max, jnp.float64(0.5))["td"]))(
+        g_batch = jax.jit(jax.grad(lambda lg: jnp.sum(branching_td_loss_batch(
+            lg, action, reward, discount, tlogits, sel, v_min, v_max, jnp.float64(0.5))["td"])))(
             logits)
-        g_ref = jax.grad(lambda lg: jnp.sum(jax.vmap(
+        g_ref = jax.jit(jax.grad(lambda lg: jnp.sum(jax.vmap(
             branching_td_loss, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
-            lg, action, reward, discount, tlogits, sel, support, jnp.float64(0.5))["td"]))(logits)
+            lg, action, reward, discount, tlogits, sel, support, jnp.float64(0.5))["td"])))(
+            logits)
         for gb, gr in zip(g_batch, g_ref, strict=True):
             np.testing.assert_allclose(gb, gr, rtol=1e-10, atol=1e-12)
         quant = tuple(normal(jax.random.fold_in(k[5], d), (b, a, n), jnp.float64)
@@ -771,13 +775,14 @@ def test_batch_td_and_iqn_losses_match_vmapped_per_sample_losses():
         tquant = tuple(normal(jax.random.fold_in(k[6], d), (b, a, n + 2), jnp.float64) * 9
                        for d, a in enumerate(sizes))
         taus = jax.random.uniform(k[7], (b, n), jnp.float64)
-        got = branching_iqn_loss_batch(quant, taus, action, reward, discount, tquant, sel,
-                                       v_min, v_max)
-        iqn_ref = jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None))
+        got = jax.jit(branching_iqn_loss_batch, static_argnums=(7, 8))(
+            quant, taus, action, reward, discount, tquant, sel, v_min, v_max)
+        iqn_ref = jax.jit(jax.vmap(branching_iqn_loss, in_axes=(0, 0, 0, 0, 0, 0, 0, None, None)),
+                          static_argnums=(7, 8))
         want = iqn_ref(quant, taus, action, reward, discount, tquant, sel, v_min, v_max)
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-        g_batch = jax.grad(lambda q: jnp.sum(branching_iqn_loss_batch(
-            q, taus, action, reward, discount, tquant, sel, v_min, v_max)))(quant)
+        g_batch = jax.jit(jax.grad(lambda q: jnp.sum(branching_iqn_loss_batch(
+            q, taus, action, reward, discount, tquant, sel, v_min, v_max))))(quant)
         g_ref = jax.grad(lambda q: jnp.sum(iqn_ref(
             q, taus, action, reward, discount, tquant, sel, v_min, v_max)))(quant)
         for gb, gr in zip(g_batch, g_ref, strict=True):
