@@ -34,9 +34,10 @@ def _refused(capsys, script: str, *args: str) -> str:
     per bad argument; the scripts' good runs stay subprocesses): it must stop with a non-zero
     exit, and its message — an argparse error's stderr or the ``SystemExit`` text, which a
     subprocess would print to stderr — is returned."""
-    sys.path.insert(0, str(REPO / "bench"))
     name = f"_refused_{Path(script).stem}"
-    if name not in sys.modules:
+    if name not in sys.modules:  # loaded once per process (the scripts import bench/timing.py)
+        if str(REPO / "bench") not in sys.path:
+            sys.path.insert(0, str(REPO / "bench"))
         spec = importlib.util.spec_from_file_location(name, REPO / "bench" / script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
