@@ -29,11 +29,12 @@ def _bench(tmp_path: Path, script: str, *args: str) -> dict:
     return printed
 
 
-def _refused(capsys, script: str, *args: str) -> str:
+def _refused(capsys, script: str, *args: str, exit_code: int | None = None) -> str:
     """``bench/<script>``'s ``main(args)`` run in this process (no interpreter and JAX start-up
     per bad argument; the scripts' good runs stay subprocesses): it must stop with a non-zero
-    exit, and its message — an argparse error's stderr or the ``SystemExit`` text, which a
-    subprocess would print to stderr — is returned."""
+    exit (``exit_code`` exactly, if given: argparse's errors exit 2), and its message — an
+    argparse error's stderr or the ``SystemExit`` text, which a subprocess would print to
+    stderr — is returned."""
     name = f"_refused_{Path(script).stem}"
     if name not in sys.modules:  # loaded once per process (the scripts import bench/timing.py)
         if str(REPO / "bench") not in sys.path:
@@ -47,6 +48,7 @@ def _refused(capsys, script: str, *args: str) -> str:
         sys.modules[name].main(list(args))
     code = stop.value.code
     assert code not in (0, None), f"{script} {args}: exited {code!r}"
+    assert exit_code is None or code == exit_code, f"{script} {args}: exited {code!r}"
     return code if isinstance(code, str) else capsys.readouterr().err
 
 
@@ -380,7 +382,8 @@ def test_kernels_bench_out_file_holds_each_setting_as_it_is_timed(tmp_path, caps
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed == json.loads(out.read_text()) and printed["complete"] is True
     assert printed["results"] == rows and "rows_so_far" not in printed
-    bad = _refused(capsys, "kernels.py", "--out", str(tmp_path / "none" / "k.json"))
+    bad = _refused(capsys, "kernels.py", "--out", str(tmp_path / "none" / "k.json"),
+                   exit_code=2)
     assert "its folder" in bad and "does not exist" in bad
 
 
@@ -714,7 +717,7 @@ def test_replay_bench_times_sampling_and_both_priority_updates(tmp_path, capsys)
     assert one["us"]["sums_pallas_warps2"] > 0 and "parity" not in one
     assert set(one["profile"]) == {"pallas"}  # (no device kernels on the CPU: a host trace)
     assert set(one["profile"]["pallas"]) == {"device_busy_us_per_call", "kernels_per_call", "top"}
-    assert "--impls 'cuda'" in _refused(capsys, "replay.py", "--impls", "cuda")
+    assert "--impls 'cuda'" in _refused(capsys, "replay.py", "--impls", "cuda", exit_code=2)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
