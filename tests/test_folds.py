@@ -199,6 +199,41 @@ def test_early_stopping_on_patience_and_best_params_carried_to_test(tmp_path):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
+def test_ties_and_nan_validation_sharpes_in_early_stopping(tmp_path, monkeypatch):
+    """Validation Sharpes forced to NaN, −1, NaN, −1, −1.5, 9 (patience 3): a NaN ranks below
+    every number (epoch 0's NaN is beaten by epoch 1's −1; epoch 2's NaN does not improve), a tie
+    does not improve either — the earlier epoch stays best and the tie uses up patience — so the
+    fold stops after epoch 4 (three epochs without improvement) and the test backtest runs
+    epoch 1's params, bitwise."""
+    forced = [math.nan, -1.0, math.nan, -1.0, -1.5, 9.0]
+    real_metrics = job_lib.compute_metrics  # the job calls it for the validation windows only
+    real_eval = job_lib.evaluate_params
+    seen = []
+
+    def metrics(res, ppy):
+        return {**real_metrics(res, ppy), "sharpe": forced[len(seen) - 1]}
+
+    def spy(cfg, p, env_params, params, lo, hi):
+        seen.append(jax.tree.map(np.asarray, params))
+        return real_eval(cfg, p, env_params, params, lo, hi)
+
+    monkeypatch.setattr(job_lib, "compute_metrics", metrics)
+    monkeypatch.setattr(job_lib, "evaluate_params", spy)
+    cfg = tiny_config("train.n_folds=1", "train.epochs_per_fold=6", "train.patience=3",
+                      "logging.tensorboard=false", "checkpoint.enabled=false")
+    report = job_lib.run_job(cfg, tmp_path, quiet=True)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["optim"]["updates"] > 0 for r in recs)  # every epoch moved the params
+    assert len(recs) == 5 and len(seen) == 6  # five validations, then the test
+    assert report["folds"][0]["epochs"] == 5 and report["folds"][0]["sharpe"] == -1.0
+    leaves = [jax.tree.leaves(x) for x in seen]
+    for e in (0, 2, 3, 4):
+        assert not all(np.array_equal(a, b) for a, b in zip(leaves[e], leaves[1], strict=True))
+    for a, b in zip(leaves[5], leaves[1], strict=True):
+        assert np.array_equal(a, b)
+
+
 def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser(tmp_path,
                                                                                   monkeypatch):
     """Every validation backtest runs on exactly its fold's validation window with features
@@ -213,6 +248,14 @@ def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser
         return real(cfg, p, env_params, params, lo, hi)
 
     monkeypatch.setattr(job_lib, "evaluate_params", spy)
+    drift = []  # the Q-drift check's (fold, epoch, previous |mean Q|, this epoch's)
+    real_drift = job_lib.safety.check_q_drift
+
+    def drift_spy(prev, now, epoch, **kw):
+        drift.append((kw["fold"], epoch, prev, now))
+        return real_drift(prev, now, epoch, **kw)
+
+    monkeypatch.setattr(job_lib.safety, "check_q_drift", drift_spy)
     # Strided evaluation (2-bar bars), so that a whole job also shows its annualisation: the
     # report's periods per year are half the per-bar figure (compute_metrics refuses any other).
     cfg = tiny_config("train.epochs_per_fold=1", "logging.tensorboard=false", "eval.stride=2")
@@ -229,6 +272,13 @@ def test_validation_and_test_backtests_use_their_windows_and_the_fold_normaliser
     assert (lo, hi) == p.plan.test == window and not training
     last = np.asarray(job_lib.fold_env_params(cfg, p, n_folds - 1).features)
     assert np.array_equal(feats, last)
+    # The Q-drift check compares each epoch with the one before, across fold boundaries too
+    # (docs/training.md, "Safety"): one epoch per fold here, so fold f's epoch 0 against fold
+    # f − 1's.
+    assert [(f, e) for f, e, _, _ in drift] == [(f, 0) for f in range(n_folds)]
+    assert drift[0][2] is None
+    for before, after in zip(drift, drift[1:]):
+        assert after[2] == before[3]
 
 
 def test_the_next_fold_starts_from_the_best_validation_params():
