@@ -17,6 +17,8 @@ each reports the largest difference from the reference and whether two runs are 
     python bench/kernels.py --kernel grn_tail_grad  # the tail's gradient (backward kernel)
     python bench/kernels.py --kernel double_q   # the double-Q action + target softmax at s′
     python bench/kernels.py --kernel double_q_heads --dtype bfloat16  # with the heads' output layers
+    python bench/kernels.py --kernel double_q_heads --dtype bfloat16 --double-q-heads-mgpu 2,1
+        # the same in Mosaic GPU (Hopper), ring depths 2 and 1
     python bench/kernels.py --kernel iqn_tail   # the IQN output stage (bias, ReLU, W2)
     python bench/kernels.py --kernel iqn_tail_grad  # its gradient (backward kernel)
     python bench/kernels.py --kernel moe_gate_grad  # the MoE gated hidden layer's gradient
@@ -560,7 +562,7 @@ def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
 
 
 def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype: str,
-                         interpret: bool = False) -> dict:
+                         interpret: bool = False, mgpu_stages: tuple[str, ...] = ()) -> dict:
     """The C51 heads' output layers and the double-Q selection at s′ in one kernel
     (``jdqn.pallas.double_q_heads``) at the update's shape: the default model's heads (two
     initialisations: online and target, the output layers scaled ×4 so that the logits spread
@@ -570,7 +572,9 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype:
     ``expected_q_streams`` and the double-Q kernel, ``xla_products_double_q``) and the kernel
     over tiles (rows per program, warps, and with a third number the loop form's pipeline
     stages; without it each branch's actions unrolled): actions differing from the first
-    row's, the largest probability difference, a bitwise repeat. ``pre`` comes first (the timing loop perturbs
+    row's, the largest probability difference, a bitwise repeat; then, per ring depth in
+    ``mgpu_stages`` (bf16), the Mosaic GPU kernel (``jdqn.pallas.double_q_heads_mgpu``,
+    ``pallas_mgpu_s{k}``). ``pre`` comes first (the timing loop perturbs
     the first argument: an elementwise pass over it, in every row). ``interpret``: the kernel
     rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
     from jdqn.config import ModelConfig
@@ -605,6 +609,20 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype:
             functools.partial(double_q_heads.double_q_heads, z=z, v_min=lo, v_max=hi,
                               interpret=interpret, rows=rows, num_warps=warps,
                               stages=stages[0] if stages else None))
+    if mgpu_stages:
+        from jdqn.pallas.double_q_heads_mgpu import double_q_heads_mgpu
+
+        # "2": ring depth 2; "-2": each branch's actions unrolled; "w3": the wide layout
+        # (compact=False: one CTA per SM); "2:mm_only": a timing probe
+        for spec in mgpu_stages:
+            k, _, probe = str(spec).partition(":")
+            wide = k.startswith("w")
+            k = int(k.lstrip("w"))
+            name = f"pallas_mgpu_s{abs(k)}" + ("_unrolled" if k < 0 else "") + \
+                ("_wide" if wide else "") + (f"_{probe}" if probe else "")
+            fns[name] = pre_first(functools.partial(
+                double_q_heads_mgpu, z=z, v_min=lo, v_max=hi, interpret=interpret,
+                stages=abs(k), loop=k > 0, probe=probe, compact=not wide))
     ref_a, ref_p = (np.asarray(x) for x in jax.jit(fns["xla_products_double_q"])(
         pre_o, *inputs))
 
@@ -720,6 +738,13 @@ def main(argv: list[str] | None = None) -> None:
                          "comma-separated")
     ap.add_argument("--double-q-tiles", default="16/4,32/4,8/2,4/1,64/4",
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
+    ap.add_argument("--double-q-heads-mgpu", default="",
+                    help="double_q_heads: ring depths of the Mosaic GPU kernel to time as well "
+                         "(comma-separated, bf16; Hopper); a negative depth: that depth with "
+                         "each branch's actions unrolled instead of a loop (pass it as "
+                         "--double-q-heads-mgpu=-3); a leading w: the "
+                         "wide shared-memory layout (one CTA per SM); DEPTH:PROBE a timing "
+                         "probe (mm_only: no max/exp passes, wrong values)")
     ap.add_argument("--double-q-heads-tiles", default="64/4,64/4/2,64/4/3,32/4/2",
                     help="fused heads + double-Q kernel tiles to time: rows/num_warps "
                          "(actions unrolled) or rows/num_warps/stages (the loop form, "
@@ -801,7 +826,10 @@ def main(argv: list[str] | None = None) -> None:
         _emit({"bench": "kernels", "kernel": "double_q_heads",
                **bench_double_q_heads(b, args.reps,
                                       _tiles(args.double_q_heads_tiles), args.dtype,
-                                      interpret=args.interpret), **meta})
+                                      interpret=args.interpret,
+                                      mgpu_stages=tuple(k.strip() for k in
+                                                        args.double_q_heads_mgpu.split(",")
+                                                        if k.strip())), **meta})
         return
     if args.kernel == "double_q":
         _emit({"bench": "kernels", "kernel": "double_q",

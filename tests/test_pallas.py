@@ -181,13 +181,14 @@ def test_auto_takes_only_kernels_measured_on_the_gpu(monkeypatch):
     monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
     faster = ("projection", "grn_tail", "grn_tail_grad", "double_q", "iqn_tail",
               "iqn_tail_grad", "moe_gate_grad", "per_sums", "iqn_tail_bf16",
-              "iqn_tail_grad_bf16", "grn_tail_grad_bf16", "grn_block_bf16")
+              "iqn_tail_grad_bf16", "grn_tail_grad_bf16", "grn_block_bf16",
+              "double_q_heads_mgpu")
     assert pallas.GPU_VALIDATED == frozenset(faster)
     for kernel in faster:
         assert pallas.use_pallas("auto", kernel)
     # measured on the H200 (the trunk-input kernels on an H100): slower than XLA, or no faster
     for slower in ("c51_loss", "iqn", "moe", "reductions", "grn_block_f32", "trunk_input_bf16",
-                   "trunk_input_f32"):
+                   "trunk_input_f32", "double_q_heads_bf16", "double_q_heads_f32"):
         assert slower not in pallas.GPU_VALIDATED
         assert not pallas.use_pallas("auto", slower)
     assert pallas.use_pallas("pallas", "c51_loss") and not pallas.use_pallas("xla", "projection")

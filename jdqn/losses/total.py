@@ -125,6 +125,31 @@ def double_q_applies(cfg: ModelConfig) -> bool:
     return not cfg.fuse_next_obs and use_pallas(cfg.impl, "double_q")
 
 
+def _heads_select(online: Any, target: Any, z: int, v_min: float, v_max: float,
+                  interpret: bool, *, mgpu: bool, triton: bool) -> tuple[Array, Array]:
+    """The double-Q selection from the heads' inputs (``head_streams="inputs"``): the Mosaic
+    GPU kernel (:mod:`jdqn.pallas.double_q_heads_mgpu`) where it is switched on (``mgpu``) and
+    takes these shapes, else the Triton kernel (:mod:`jdqn.pallas.double_q_heads`) where its
+    switch is on (``triton``), else the heads' products
+    (:func:`~jdqn.networks.heads.streams_from_inputs`) through the double-Q kernel."""
+    from jdqn.networks.heads import streams_from_inputs
+    from jdqn.pallas import double_q, double_q_heads, double_q_heads_mgpu
+
+    pair = target is None
+    if mgpu and double_q_heads_mgpu.eligible(online, z, pair) and (
+            pair or double_q_heads_mgpu.eligible(target, z, False)):
+        return double_q_heads_mgpu.double_q_heads_mgpu(online, target, z, v_min, v_max,
+                                                       interpret)
+    if triton:
+        return double_q_heads.double_q_heads(online, target, z, v_min, v_max, interpret)
+    if pair:
+        both = jax.vmap(lambda s: streams_from_inputs(s, z, v_min, v_max, interpret))(online)
+        return double_q.double_q_next(both, None, z, v_min, v_max, interpret)
+    return double_q.double_q_next(streams_from_inputs(online, z, v_min, v_max, interpret),
+                                  streams_from_inputs(target, z, v_min, v_max, interpret),
+                                  z, v_min, v_max, interpret)
+
+
 def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
                         next_obs: Array, taus_prime: Array | None,
                         twin: bool = True) -> tuple[Array, Array, tuple[Array, ...] | None]:
@@ -136,15 +161,18 @@ def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
     :func:`jdqn.pallas.double_q.double_q_next` computes the online expected Q, its argmax and
     the target's softmax there without writing either network's logits. The same function as
     selecting from :func:`next_state_forwards`' outputs, to float32 rounding (tested)."""
-    from jdqn.pallas import double_q, double_q_heads
+    from jdqn.pallas import double_q, double_q_heads, double_q_heads_mgpu
 
     c = net.cfg
     params, target_params = jax.lax.stop_gradient((params, target_params))
-    heads = use_pallas(c.impl, double_q_heads.kernel_name(c.matmul_dtype))
-    apply = functools.partial(net.apply, grad_free=True,
-                              head_streams="inputs" if heads else True)
-    select = double_q_heads.double_q_heads if heads else double_q.double_q_next
     interpret = jax.default_backend() != "gpu"
+    mgpu = (c.matmul_dtype == "bfloat16" and double_q_heads_mgpu.device_supported()
+            and use_pallas(c.impl, double_q_heads_mgpu.KERNEL_NAME))
+    triton = use_pallas(c.impl, double_q_heads.kernel_name(c.matmul_dtype))
+    apply = functools.partial(net.apply, grad_free=True,
+                              head_streams="inputs" if mgpu or triton else True)
+    select = functools.partial(_heads_select, mgpu=mgpu, triton=triton) if mgpu else \
+        double_q_heads.double_q_heads if triton else double_q.double_q_next
     if twin:
         pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
         both = jax.vmap(apply, in_axes=(0, None))(pair, next_obs)

@@ -1,0 +1,234 @@
+"""The Mosaic GPU heads + double-Q kernel (``jdqn.pallas.double_q_heads_mgpu``) against its
+plain-JAX oracle in JAX's GPU interpreter (CPU), its lowering for a Hopper GPU, and the loss's
+path through it.
+
+GPU parity, bitwise repeatability and speed at the update's shape: ``bench/kernels.py --kernel
+double_q_heads --double-q-heads-mgpu 3`` (results in ``bench/results/``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+
+from jdqn.config import ModelConfig, TrainConfig  # noqa: E402
+from jdqn.losses import init_moe_state  # noqa: E402
+from jdqn.losses import total as total_module  # noqa: E402
+from jdqn.networks import BranchingQNetwork, init_params  # noqa: E402
+from jdqn.pallas import double_q, double_q_heads, double_q_heads_mgpu  # noqa: E402
+
+V_MIN, V_MAX, Z = -10.0, 10.0, 51  # the kernel's atoms: Zb = 64
+
+
+def _cfg(hidden: int = 64, **kw) -> ModelConfig:
+    base = dict(width=32, n_grn_blocks=1, n_experts=2, expert_hidden=8, gate_hidden=8,
+                head_hidden=hidden, n_atoms=Z, iqn=False, impl="xla", matmul_dtype="bfloat16",
+                v_min=V_MIN, v_max=V_MAX)
+    return ModelConfig(**{**base, **kw})
+
+
+@functools.cache
+def _inputs(hidden: int, flow_idx: tuple[int, ...], b: int):
+    """Both networks' HeadInputs at the same s′ under bf16 matmuls (output layers scaled so that
+    the logits spread over a few units and rows choose different actions)."""
+    net = BranchingQNetwork(_cfg(hidden), flow_idx=flow_idx)
+    obs = 3.0 * jax.random.normal(jax.random.key(7), (b, 24))
+    out = []
+    for seed in (0, 1):
+        params = init_params(net, jax.random.key(seed), 24)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x * 4.0 if "_out" in jax.tree_util.keystr(path) else x, params)
+        out.append(jax.jit(lambda p, o: net.apply(p, o, grad_free=True,
+                                                  head_streams="inputs").streams)(params, obs))
+    return tuple(out)
+
+
+def _pair(online, target):
+    return jax.tree.map(lambda o, t: jnp.stack([o, t]), online, target)
+
+
+@pytest.mark.parametrize("hidden,flow_idx,pair,loop,stages,compact",
+                         [(64, (), False, True, 2, True), (128, (3, 5, 7), False, True, 1, True),
+                          (64, tuple(range(16, 24)), True, True, 2, True),
+                          (64, (3, 5), False, False, 3, False)])
+def test_kernel_matches_the_reference(hidden, flow_idx, pair, loop, stages, compact):
+    """Every greedy action the oracle's (the head's own products, then the double-Q oracle)
+    and the target's probabilities at it to float32 rounding, zeros past Z: the forwards at s′
+    apart or as a pair, without order flow or with up to the eight features the kernel takes,
+    each branch's actions as a loop or unrolled, rings of 1 to 3 slots, the compact
+    shared-memory layout (two streams of ``pre`` at a time) and the wide one. (The magnitude
+    stream's input carries the direction's expected Q, rounded to bf16: where the kernel's
+    expected Q differs from the oracle's in its last bits, an input element may round to the
+    neighbouring bf16 value, which moves that branch's probabilities by ~1e-4 — on the GPU at
+    B = 16384, 1.2e-4 at most.)"""
+    online, target = _inputs(hidden, flow_idx, 128)
+    args = (_pair(online, target), None) if pair else (online, target)
+    want_a, want_p = double_q_heads.reference(*args, Z, V_MIN, V_MAX)
+    got_a, got_p = double_q_heads_mgpu.double_q_heads_mgpu(
+        *args, z=Z, v_min=V_MIN, v_max=V_MAX, interpret=True, stages=stages, loop=loop,
+        compact=compact)
+    assert got_a.dtype == jnp.int32 and got_a.shape == want_a.shape == (128, 4)
+    assert got_p.shape == want_p.shape == (128, 4, 64) and got_p.dtype == jnp.float32
+    np.testing.assert_array_equal(got_a, want_a)
+    assert len(np.unique(np.asarray(want_a)[:, 0])) > 1  # the rows do choose differently
+    np.testing.assert_allclose(got_p, want_p, atol=2e-4)
+    close = np.abs(np.asarray(got_p) - np.asarray(want_p)) <= 2e-6
+    assert close[:, [0, 2, 3]].all()  # the branches without the conditioning: float32 rounding
+    np.testing.assert_array_equal(np.asarray(got_p)[..., Z:], 0.0)
+
+
+def test_eligibility_and_bad_settings():
+    online, target = _inputs(64, (), 128)
+    assert double_q_heads_mgpu.eligible(online, Z, False)
+    assert double_q_heads_mgpu.eligible(_pair(online, target), Z, True)
+    assert not double_q_heads_mgpu.eligible(online, 11, False)  # Zb = 16, not 64
+    assert not double_q_heads_mgpu.eligible(online._replace(pre=online.pre[:100]), Z, False)
+    assert not double_q_heads_mgpu.eligible(
+        online._replace(pre=online.pre.astype(jnp.float32)), Z, False)
+    assert not double_q_heads_mgpu.eligible(
+        online._replace(flow=jnp.zeros((128, 9))), Z, False)  # more than 8 flow features
+    with pytest.raises(ValueError, match="outside the kernel's shapes"):
+        double_q_heads_mgpu.double_q_heads_mgpu(online, target, z=11, v_min=V_MIN, v_max=V_MAX,
+                                                interpret=True)
+    with pytest.raises(ValueError, match="probe must be one of"):
+        double_q_heads_mgpu.double_q_heads_mgpu(online, target, z=Z, v_min=V_MIN, v_max=V_MAX,
+                                                interpret=True, probe="no_exp")
+
+
+def test_the_kernel_lowers_for_cuda_off_the_gpu():
+    """The kernel as the GPU runs it (layouts, TMA, wgmma; not the interpreter's form) lowers
+    to one Mosaic GPU call for a Hopper GPU at the update's shape (B = 16384, hidden 128, 8
+    order-flow features), with the installed JAX."""
+    net = BranchingQNetwork(_cfg(128), flow_idx=tuple(range(16, 24)))
+    obs = jax.ShapeDtypeStruct((16384, 32), jnp.float32)
+    params = jax.eval_shape(lambda: init_params(net, jax.random.key(0), 32))
+    ins = jax.eval_shape(lambda p, o: net.apply(p, o, grad_free=True,
+                                                head_streams="inputs").streams, params, obs)
+    run = jax.jit(lambda o, t: double_q_heads_mgpu.double_q_heads_mgpu(o, t, z=Z, v_min=V_MIN,
+                                                                       v_max=V_MAX))
+    text = run.trace(ins, ins).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+def _loss(b: int = 64):
+    net = BranchingQNetwork(_cfg(64, impl="pallas", iqn=True, iqn_embed=8, iqn_n=4,
+                                 iqn_n_prime=4, fuse_next_obs=False), flow_idx=(3, 5))
+    k = jax.random.split(jax.random.key(0), 5)
+    params, target = init_params(net, k[0], 24), init_params(net, k[1], 24)
+    from jdqn.losses import Batch
+
+    batch = Batch(obs=jax.random.normal(k[2], (b, 24)), next_obs=jax.random.normal(k[3], (b, 24)),
+                  action=jnp.zeros((b, 4), jnp.int32), reward=jnp.ones((b,)),
+                  discount=jnp.full((b,), 0.9), weight=jnp.ones((b,)))
+    return functools.partial(total_module.total_loss, target_params=target, batch=batch,
+                             key=k[4], moe_state=init_moe_state(2), alpha=0.5, net=net,
+                             train_cfg=TrainConfig()), params
+
+
+def _only(monkeypatch, *kernels):
+    monkeypatch.setattr(total_module, "use_pallas", lambda impl, kernel: kernel in kernels)
+
+
+def test_the_loss_through_the_kernel_equals_the_double_q_kernels_path(monkeypatch):
+    """Under bf16 matmuls (the forwards at s′ apart) with the switch on, the update's loss runs
+    the kernel once (neither the double-Q kernel nor ``expected_q_streams``) and has the value,
+    per-sample losses, components and gradients of the loss through the heads' products and
+    the double-Q kernel (values to float32 rounding, gradients within 0.1 % of their largest
+    entry). A batch the kernel does not tile (56 rows) takes
+    the Triton heads kernel where its switch is on, else the products path; off a Hopper GPU
+    (``device_supported`` false) the switch does nothing."""
+    from helpers import pallas_kernel_names
+
+    calls = []
+    real = double_q_heads_mgpu.double_q_heads_mgpu
+    monkeypatch.setattr(double_q_heads_mgpu, "double_q_heads_mgpu",
+                        lambda *a, **k: calls.append(a[0].pre.shape) or real(*a, **k))
+    loss, params = _loss()
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    _only(monkeypatch, "double_q")
+    (want, (want_c, want_ps, _, _)), want_g = grad(params)
+    assert calls == []
+    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME)
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (got, (got_c, got_ps, _, _)), got_g = grad(params)
+    assert calls == [(64, 5 * 64)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_ps, want_ps, rtol=1e-6)
+    for name in ("c51", "mse", "iqn"):
+        np.testing.assert_allclose(got_c[name], want_c[name], rtol=1e-6, err_msg=name)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        # (the magnitude branch's targets move by ~1e-4 where a conditioned input rounds to
+        # the neighbouring bf16 value: the test above)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * float(np.max(np.abs(b))) + 1e-9)
+    names = pallas_kernel_names(jax.make_jaxpr(lambda p: loss(p)[0])(params).jaxpr)
+    assert "double_q_next" not in names and "expected_q_streams" not in names
+    assert "double_q_heads" not in names
+
+    calls.clear()
+    loss56, params56 = _loss(56)
+    names = pallas_kernel_names(jax.make_jaxpr(lambda p: loss56(p)[0])(params56).jaxpr)
+    assert calls == [] and "double_q_next" in names and "double_q_heads" not in names
+    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME, "double_q_heads_bf16")
+    names = pallas_kernel_names(jax.make_jaxpr(lambda p: loss56(p)[0])(params56).jaxpr)
+    assert calls == [] and "double_q_heads" in names and "double_q_next" not in names
+
+    monkeypatch.setattr(double_q_heads_mgpu, "device_supported", lambda: False)
+    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME)
+    names = pallas_kernel_names(jax.make_jaxpr(lambda p: loss(p)[0])(params).jaxpr)
+    assert calls == [] and "double_q_next" in names
+
+
+def test_auto_takes_it_on_a_hopper_gpu_and_float32_never_does(monkeypatch):
+    """``"auto"`` takes the kernel on the GPU (faster in the update: bench/results), where
+    ``device_supported`` then admits Hopper only; under float32 matmuls its switch is ignored
+    (the kernel is bf16) and the selection is the double-Q kernel's on the heads' products."""
+    from jdqn import pallas
+
+    assert double_q_heads_mgpu.KERNEL_NAME in pallas.GPU_VALIDATED
+    monkeypatch.setattr(pallas.jax, "default_backend", lambda: "gpu")
+    assert pallas.use_pallas("auto", double_q_heads_mgpu.KERNEL_NAME)
+    monkeypatch.setattr(pallas.jax, "default_backend", lambda: "cpu")
+    assert not pallas.use_pallas("auto", double_q_heads_mgpu.KERNEL_NAME)
+    calls = []
+    monkeypatch.setattr(double_q_heads_mgpu, "double_q_heads_mgpu",
+                        lambda *a, **k: calls.append(1))
+    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME)
+    net = BranchingQNetwork(_cfg(64, impl="pallas", matmul_dtype="float32",
+                                 fuse_next_obs=False))
+    params = init_params(net, jax.random.key(0), 24)
+    obs = jax.random.normal(jax.random.key(1), (64, 24))
+    a, p, _ = total_module.next_state_double_q(net, params, params, obs, None, twin=False)
+    assert calls == [] and a.shape == (64, 4)
+    want = double_q.reference(*(net.apply(params, obs, grad_free=True, head_streams=True).streams
+                                for _ in range(2)), Z, V_MIN, V_MAX)
+    np.testing.assert_array_equal(a, want[0])
+
+
+def test_vmapped_sets_run_as_one_kernel_each_with_its_own_weights():
+    """Under ``vmap`` (the trainer's seeds) the batch folds into the kernel's set axis: each
+    set's actions and probabilities are its own oracle's, with different output layers per
+    set (and the pair form under the same vmap)."""
+    online, target = _inputs(64, (3, 5), 128)
+    scaled = online._replace(out_kernel=tuple(1.5 * k for k in online.out_kernel))
+    sets_o = jax.tree.map(lambda a, b: jnp.stack([a, b]), online, scaled)
+    sets_t = jax.tree.map(lambda a: jnp.stack([a, a]), target)
+    run = functools.partial(double_q_heads_mgpu.double_q_heads_mgpu, z=Z, v_min=V_MIN,
+                            v_max=V_MAX, interpret=True)
+    ref = functools.partial(double_q_heads.reference, z=Z, v_min=V_MIN, v_max=V_MAX)
+    got = jax.vmap(run)(sets_o, sets_t)
+    for i in range(2):
+        pick = functools.partial(jax.tree.map, lambda x, i=i: x[i])
+        want = ref(pick(sets_o), pick(sets_t))
+        np.testing.assert_array_equal(got[0][i], want[0])
+        np.testing.assert_allclose(got[1][i], want[1], atol=2e-4)
+    assert not np.array_equal(got[1][0], got[1][1])
+    pairs = jax.vmap(_pair)(sets_o, sets_t)
+    got_pair = jax.vmap(lambda p: run(p, None))(pairs)
+    for a, b in zip(got_pair, got, strict=True):
+        np.testing.assert_array_equal(a, b)
