@@ -104,15 +104,20 @@ def test_eligibility_and_bad_settings():
 def test_the_kernel_lowers_for_cuda_off_the_gpu():
     """The kernel as the GPU runs it (layouts, TMA, wgmma; not the interpreter's form) lowers
     to one Mosaic GPU call for a Hopper GPU at the update's shape (B = 16384, hidden 128, 8
-    order-flow features), with the installed JAX."""
+    order-flow features), with the installed JAX; so does its form for two vmapped seeds."""
     net = BranchingQNetwork(_cfg(128), flow_idx=tuple(range(16, 24)))
     obs = jax.ShapeDtypeStruct((16384, 32), jnp.float32)
     params = jax.eval_shape(lambda: init_params(net, jax.random.key(0), 32))
     ins = jax.eval_shape(lambda p, o: net.apply(p, o, grad_free=True,
                                                 head_streams="inputs").streams, params, obs)
-    run = jax.jit(lambda o, t: double_q_heads_mgpu.double_q_heads_mgpu(o, t, z=Z, v_min=V_MIN,
-                                                                       v_max=V_MAX))
-    text = run.trace(ins, ins).lower(lowering_platforms=("cuda",)).as_text()
+    fn = functools.partial(double_q_heads_mgpu.double_q_heads_mgpu, z=Z, v_min=V_MIN,
+                           v_max=V_MAX)
+    text = jax.jit(fn).trace(ins, ins).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+    # two seeds vmapped: their sets folded into the kernel's set axis, still one kernel
+    seeds = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype), ins)
+    text = jax.jit(jax.vmap(fn)).trace(seeds, seeds).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
 
 

@@ -63,7 +63,8 @@ from jax import lax
 
 from jdqn.networks.heads import HeadInputs
 from jdqn.pallas import double_q
-from jdqn.pallas.grn_block import _interpret_params, _transforms, device_supported, mgpu_load
+from jdqn.pallas.grn_block import (_interpret_params, _transforms, device_supported,
+                                   fold_sets, mgpu_load)
 
 Array = jax.Array
 F32 = jnp.float32
@@ -425,22 +426,10 @@ def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v
 
 @functools.cache
 def _batched(offsets, sizes, hid, n_flow, q_scale, stages, interpret, loop, probe, compact):
-    """The kernel over a leading axis of sets, as a ``custom_vmap`` whose rule folds each
-    further batch axis (the trainer's seeds) into that one: one launch, each set's rows with
-    its own weights, as :mod:`jdqn.pallas.grn_block` folds its parameter sets."""
-
-    @jax.custom_batching.custom_vmap
-    def run(pre_o, pre_t, w, vec, flow):
-        return _kernel(pre_o, pre_t, w, vec, flow, offsets=offsets, sizes=sizes, hid=hid,
-                       n_flow=n_flow, q_scale=q_scale, stages=stages, interpret=interpret,
-                       loop=loop, probe=probe, compact=compact)
-
-    @run.def_vmap
-    def rule(axis_size, in_batched, *args):
-        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                for a, batched in zip(args, in_batched)]
-        p = args[0].shape[1]
-        outs = run(*(a.reshape(axis_size * p, *a.shape[2:]) for a in args))
-        return tuple(o.reshape(axis_size, p, *o.shape[1:]) for o in outs), (True, True)
-
-    return run
+    """The kernel over a leading axis of sets, each further batch axis (the trainer's seeds)
+    folded into that one (:func:`jdqn.pallas.grn_block.fold_sets`): one launch, each set's
+    rows with its own weights."""
+    return fold_sets(lambda pre_o, pre_t, w, vec, flow: _kernel(
+        pre_o, pre_t, w, vec, flow, offsets=offsets, sizes=sizes, hid=hid, n_flow=n_flow,
+        q_scale=q_scale, stages=stages, interpret=interpret, loop=loop, probe=probe,
+        compact=compact))

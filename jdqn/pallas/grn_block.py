@@ -358,14 +358,15 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
     return kernel(x, w_fc, w, vec)
 
 
-@functools.cache
-def _batched(eps: float, interpret: bool):
-    """The kernel over a leading axis of parameter sets, as a ``custom_vmap`` whose rule
-    folds each further batch axis into that one (one launch for seeds × pair)."""
+def fold_sets(kernel):
+    """``kernel`` (every argument and output with a leading axis of ``P`` independent sets)
+    as a ``custom_vmap`` whose rule folds each further batch axis into that one: under
+    ``vmap`` (the trainer's seeds, a paired forward) still one launch, each set with its own
+    operands (unbatched arguments broadcast). Outputs: an array or a tuple of arrays."""
 
     @jax.custom_batching.custom_vmap
-    def run(x, w_fc, b_fc, w, b, scale, offset):
-        return _kernel(x, w_fc, b_fc, w, b, scale, offset, eps=eps, interpret=interpret)
+    def run(*args):
+        return kernel(*args)
 
     @run.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -373,7 +374,19 @@ def _batched(eps: float, interpret: bool):
                 for a, batched in zip(args, in_batched)]
         p = args[0].shape[1]
         out = run(*(a.reshape(axis_size * p, *a.shape[2:]) for a in args))
-        return out.reshape(axis_size, p, *out.shape[1:]), True
+        unfold = jax.tree.map(lambda o: o.reshape(axis_size, p, *o.shape[1:]), out)
+        return unfold, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
+@functools.cache
+def _batched(eps: float, interpret: bool):
+    """The kernel over a leading axis of parameter sets, as a ``custom_vmap`` whose rule
+    folds each further batch axis into that one (one launch for seeds × pair)."""
+
+    run = fold_sets(lambda x, w_fc, b_fc, w, b, scale, offset: _kernel(
+        x, w_fc, b_fc, w, b, scale, offset, eps=eps, interpret=interpret))
 
     @jax.custom_jvp
     def block(*args):
