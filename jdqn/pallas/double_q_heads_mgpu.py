@@ -123,10 +123,12 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     """For ``P`` independent sets at once (seeds): ``pre_o``/``pre_t [P, ·, 5·hid]`` bf16
     (the networks' rows start at ``offsets`` and run for ``b`` rows), ``w [P, 2, nb, hid,
     64]`` bf16, ``vec [P, 2, L]`` float32, ``flow [P, F, b]`` float32 → ``(probs [P, b, D·64]
-    float32, a* [P, D, b] int32)``. ``compact``: two streams'
-    rows of ``pre``, one network's vectors and one branch's probabilities in shared memory at
-    a time (~98 KB at ``stages = 2``: two CTAs per SM), else all five streams, both networks'
-    vectors and two branches (~190 KB: one CTA per SM)."""
+    float32, a* [P, D, b] int32)``. ``stages``: the output layers' ring slots. ``loop``: each
+    branch's actions as a ``fori_loop`` (else unrolled: ~3× the code, slower). ``compact``:
+    two streams' rows of ``pre``, one network's vectors and one branch's probabilities in
+    shared memory at a time (~98 KB at ``stages = 2``: two CTAs per SM), else all five
+    streams, both networks' vectors and two branches (~190 KB: one CTA per SM). ``probe``
+    (timing only, wrong values): ``"mm_only"`` drops the max/exp passes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -149,10 +151,6 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     o_bias, o_cond = 0, nb * ZB
     o_flow = o_cond + a0 * hid
     o_sup = o_flow + 2 * MAX_FLOW * hid
-    stream_of, action_of = [], []
-    for k, n in enumerate((1, *sizes)):
-        stream_of += [k] * n
-        action_of += list(range(n))
     tr = _transforms(KC, jnp.bfloat16)
     tr_out = _transforms(OUT_COLS, F32)
     row_l = None if interpret else plgpu.Layout.WGMMA.reduce(1)
