@@ -3,7 +3,9 @@ plain-JAX oracle in JAX's GPU interpreter (CPU), its lowering for a Hopper GPU, 
 path through it.
 
 GPU parity, bitwise repeatability and speed at the update's shape: ``bench/kernels.py --kernel
-double_q_heads --double-q-heads-mgpu 3`` (results in ``bench/results/``).
+double_q_heads --double-q-heads-mgpu 2`` (results in ``bench/results/``); the compiled kernel's
+ring order, layouts, vmapped seeds and pair form on a Hopper GPU: ``python -m pytest -m gpu
+tests/test_double_q_heads_mgpu.py`` (skipped elsewhere).
 """
 
 from __future__ import annotations
@@ -237,3 +239,63 @@ def test_vmapped_sets_run_as_one_kernel_each_with_its_own_weights():
     got_pair = jax.vmap(lambda p: run(p, None))(pairs)
     for a, b in zip(got_pair, got, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _compiled_kernel_checks(b: int, hidden: int, flow_idx: tuple[int, ...], interpret: bool):
+    """The checks of the test below, on ``b`` rows; ``interpret=True`` runs them in JAX's GPU
+    interpreter (``_compiled_kernel_checks(64, 64, (3, 5), True)`` passed there, 2026-12-07:
+    40 s, too slow for the suite, whose other tests cover the interpreter's kernel)."""
+    online, target = _inputs(hidden, flow_idx, b)
+    scaled = online._replace(out_kernel=tuple(1.5 * k for k in online.out_kernel))
+
+    def run(o, t, **kw):
+        fn = functools.partial(double_q_heads_mgpu.double_q_heads_mgpu, z=Z, v_min=V_MIN,
+                               v_max=V_MAX, interpret=interpret, **kw)
+        return tuple(np.asarray(x) for x in jax.jit(fn)(o, t))
+
+    want = [np.asarray(x) for x in double_q_heads.reference(online, target, Z, V_MIN, V_MAX)]
+    first = run(online, target)
+    np.testing.assert_array_equal(first[0], want[0])
+    np.testing.assert_allclose(first[1], want[1], atol=2e-4)
+    # ring depths and both layouts: the same operations on the same values, the same bits,
+    # each bitwise repeatable (a slot refilled before the wgmma reading it retired would not be)
+    for compact, depths in ((True, (1, 2)), (False, (1, 2, 3, 4))):
+        for stages in depths:
+            got = run(online, target, stages=stages, compact=compact)
+            again = run(online, target, stages=stages, compact=compact)
+            for g, a, f in zip(got, again, first, strict=True):
+                np.testing.assert_array_equal(g, a, err_msg=f"{compact} {stages}")
+                np.testing.assert_array_equal(g, f, err_msg=f"{compact} {stages}")
+    unrolled = run(online, target, loop=False)
+    np.testing.assert_array_equal(unrolled[0], first[0])
+    np.testing.assert_allclose(unrolled[1], first[1], atol=2e-4)
+    # two seeds vmapped (one launch) and the pair form: each the unbatched call's bits
+    fn = functools.partial(double_q_heads_mgpu.double_q_heads_mgpu, z=Z, v_min=V_MIN,
+                           v_max=V_MAX, interpret=interpret)
+    sets_o = jax.tree.map(lambda a, c: jnp.stack([a, c]), online, scaled)
+    sets_t = jax.tree.map(lambda a: jnp.stack([a, a]), target)
+    va, vp = jax.jit(jax.vmap(fn))(sets_o, sets_t)
+    second = run(scaled, target)
+    for i, one in enumerate((first, second)):
+        np.testing.assert_array_equal(np.asarray(va[i]), one[0])
+        np.testing.assert_array_equal(np.asarray(vp[i]), one[1])
+    pa, pp = jax.jit(lambda pr: fn(pr, None))(_pair(online, target))
+    np.testing.assert_array_equal(np.asarray(pa), first[0])
+    np.testing.assert_array_equal(np.asarray(pp), first[1])
+
+
+def _on_hopper() -> bool:
+    return jax.default_backend() == "gpu" and double_q_heads_mgpu.device_supported()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper(), reason="compiles the kernel: needs a Hopper GPU")
+@pytest.mark.parametrize("hidden,flow_idx", [(128, tuple(range(16, 24))), (64, ())])
+def test_the_compiled_kernel_on_a_hopper_gpu(hidden, flow_idx):
+    """On the GPU, where wgmma and TMA run asynchronously (the interpreter runs them in order,
+    so it cannot see a slot refilled too early): the oracle's actions and probabilities to
+    2e-4; every ring depth in both layouts the same bits, each bitwise repeatable; each
+    branch's actions unrolled within rounding of the loop; two vmapped seeds and the pair
+    form each the unbatched call's bits. 1024 rows: 16 tiles."""
+    _compiled_kernel_checks(1024, hidden, flow_idx, interpret=False)
+
