@@ -573,7 +573,7 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype:
     over tiles (rows per program, warps, and with a third number the loop form's pipeline
     stages; without it each branch's actions unrolled): actions differing from the first
     row's, the largest probability difference, a bitwise repeat; then, per ring depth in
-    ``mgpu_stages`` (bf16), the Mosaic GPU kernel (``jdqn.pallas.double_q_heads_mgpu``,
+    ``mgpu_stages``, the Mosaic GPU kernel in ``dtype`` (``jdqn.pallas.double_q_heads_mgpu``,
     ``pallas_mgpu_s{k}``). ``pre`` comes first (the timing loop perturbs
     the first argument: an elementwise pass over it, in every row). ``interpret``: the kernel
     rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
@@ -740,8 +740,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="double-Q kernel tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--double-q-heads-mgpu", default="",
                     help="double_q_heads: ring depths of the Mosaic GPU kernel to time as well "
-                         "(comma-separated, bf16; Hopper); a negative depth: that depth with "
-                         "each branch's actions unrolled instead of a loop (pass it as "
+                         "(comma-separated, in --dtype; Hopper); a negative depth: that depth "
+                         "with each branch's actions unrolled instead of a loop (pass it as "
                          "--double-q-heads-mgpu=-3); a leading w: the "
                          "wide shared-memory layout (one CTA per SM); DEPTH:PROBE a timing "
                          "probe (mm_only: no max/exp passes, wrong values)")

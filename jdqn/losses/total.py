@@ -166,8 +166,8 @@ def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
     c = net.cfg
     params, target_params = jax.lax.stop_gradient((params, target_params))
     interpret = jax.default_backend() != "gpu"
-    mgpu = (c.matmul_dtype == "bfloat16" and double_q_heads_mgpu.device_supported()
-            and use_pallas(c.impl, double_q_heads_mgpu.KERNEL_NAME))
+    mgpu = (double_q_heads_mgpu.device_supported()
+            and use_pallas(c.impl, double_q_heads_mgpu.kernel_name(c.matmul_dtype)))
     triton = use_pallas(c.impl, double_q_heads.kernel_name(c.matmul_dtype))
     apply = functools.partial(net.apply, grad_free=True,
                               head_streams="inputs" if mgpu or triton else True)

@@ -1,4 +1,4 @@
-"""Mosaic GPU kernel: the C51 heads' output layers at s′ and the double-Q selection, bf16.
+"""Mosaic GPU kernel: the C51 heads' output layers at s′ and the double-Q selection (Hopper).
 
 The same contract as :func:`jdqn.pallas.double_q_heads.double_q_heads` (the Triton kernel) and
 its oracle :func:`jdqn.pallas.double_q_heads.reference`: from the online and target networks'
@@ -33,7 +33,8 @@ the online network first, then the target network:
 Two choices carry the speed (H100, bf16, B = 16384, the pair's heads; ``bench/results/
 kernels_h100_bf16_double_q_heads_mgpu*.json``): the loop over actions (unrolled, ~28 copies of
 the block's code: **246 µs**; as loops: **181 µs**) and the compact shared memory (~98 KB at
-two slots, so two CTAs share an SM; with all five streams, both networks' vectors and two
+two slots and hidden 128, so two CTAs share an SM — at hidden 192 or 256, ~135 or ~172 KB:
+one; with all five streams, both networks' vectors and two
 branches' staging resident, ~190 KB and one CTA per SM: the 181 µs): **116.5 µs** against
 **252 µs** for XLA's path (its output GEMMs, ``expected_q_streams`` and the double-Q kernel);
 a probe without the max/exp passes takes 104.5, so the wgmma and TMA chain is most of it. In
@@ -46,11 +47,22 @@ the expected Q differs from the oracle's in its last bits, so an action whose ex
 another's to rounding may be chosen differently (as with the Triton kernel), and where the
 magnitude stream's conditioned input rounds to the neighbouring bf16 value its probabilities
 move by ~1e-4 (at B = 16384 on the H100: no action different, probabilities within 1.2e-4;
-bitwise repeatable). bf16 only (the float32 heads run as a twin pair through XLA's GEMMs and
-the double-Q kernel); shapes: ``hidden`` a multiple of 64 up to 256, ``Zb = 64`` (Z from 33 to
-64), B a positive multiple of 64, at most 8 order-flow features (:func:`eligible`; otherwise
-the loss takes the products path). Under ``vmap`` (seeds) the sets fold into the kernel's set
-axis: one launch.
+bitwise repeatable).
+
+**float32** (``"double_q_heads_mgpu_f32"``, taken only under ``impl = "pallas"``: not yet
+measured on a GPU): wgmma's float32 path is TF32 with both operands K-major in shared memory,
+so each action block of the output layers goes in transposed (``[64, hidden]``, a
+parameter-sized XLA transpose) and is read through a transposed view, as in
+:mod:`jdqn.pallas.grn_block`; a chunk is 32 columns; one output-layer slot, ~126 KB of shared
+memory at hidden 128 (one CTA per SM). Under float32 the trainer's forwards at s′ are the
+online/target pair, which the kernel reads in place (``target=None``). Eligible only where
+XLA's float32 matmuls may be TF32 (under ``"highest"`` the heads keep XLA's path). In the
+interpreter its products are exact float32 (probabilities within 1e-5 of the oracle).
+
+Shapes: ``hidden`` a multiple of 64 up to 256 (float32: 192), ``Zb = 64`` (Z from 33 to
+64), B a positive multiple of 64, at most 8 order-flow features, the head's four branches
+(:func:`eligible`; otherwise the loss takes the products path). Each network reads its own
+order flow. Under ``vmap`` (seeds) the sets fold into the kernel's set axis: one launch.
 """
 
 from __future__ import annotations
@@ -69,32 +81,53 @@ from jdqn.pallas.grn_block import (_interpret_params, _transforms, device_suppor
 Array = jax.Array
 F32 = jnp.float32
 ROWS = 64  # one warpgroup's wgmma tile
-KC = 64  # a bf16 chunk: 128 bytes, the swizzle
+KC = 64  # the chunk of hidden columns every dtype's blocks tile by (a bf16 swizzle row)
 ZB = 64  # atoms per action block (one wgmma N)
 OUT_COLS = 32  # a float32 chunk of the probabilities: 128 bytes
-STAGES = 2
+STAGES = {"bfloat16": 2, "float32": 1}  # the output layers' ring: ~98 KB / ~126 KB of smem
 NEG = double_q._NEG  # a padded atom's bias: probability 0, no inf arithmetic
 MAX_FLOW = 8
 PROBES = ("", "mm_only")  # timing probes (bench/kernels.py), wrong values: no max/exp pass
 
-__all__ = ["double_q_heads_mgpu", "eligible", "device_supported", "KERNEL_NAME"]
-KERNEL_NAME = "double_q_heads_mgpu"
+__all__ = ["double_q_heads_mgpu", "eligible", "device_supported", "kernel_name"]
+KERNEL_NAME = "double_q_heads_mgpu"  # bf16 (in "auto")
+KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not measured yet: "pallas")
+
+
+def kernel_name(matmul_dtype: str) -> str:
+    """The kernel's switch for ``use_pallas`` under ``ModelConfig.matmul_dtype``."""
+    return KERNEL_NAME if matmul_dtype == "bfloat16" else KERNEL_NAME_F32
+
+
+def _chunk(dtype) -> int:
+    """Columns of one 128-byte swizzled row: 64 bf16, 32 float32."""
+    return 128 // jnp.dtype(dtype).itemsize
 
 
 def eligible(inputs: HeadInputs, z: int, pair: bool) -> bool:
-    """Whether the kernel takes these heads' inputs (see the module docstring)."""
+    """Whether the kernel takes these heads' inputs (see the module docstring): float32 only
+    where XLA's own float32 matmuls may be TF32 (the kernel's products are; under
+    ``"highest"`` precision the heads keep XLA's path), as :mod:`jdqn.pallas.grn_block`."""
     pre = inputs.pre
     rows = pre.shape[-2]
     hid = inputs.cond_kernel.shape[-1]
     n_flow = inputs.flow.shape[-1]
-    return (pre.dtype == jnp.bfloat16 and pre.ndim == (3 if pair else 2)
+    if pre.dtype == F32:
+        from jdqn.pallas.iqn import _precision  # the Pallas kernels' one reading of it
+
+        if _precision() != jax.lax.Precision.DEFAULT:
+            return False
+    # float32's shared memory outgrows the SM's 227 KB past hidden 192 (2 streams of pre)
+    widest = 256 if pre.dtype == jnp.bfloat16 else 192
+    return (pre.dtype in (jnp.bfloat16, F32) and pre.ndim == (3 if pair else 2)
+            and len(inputs.out_kernel) == 5  # value and the four branches the head has
             and double_q._padded_atoms(z) == ZB and rows > 0 and rows % ROWS == 0
-            and hid % KC == 0 and KC <= hid <= 256 and n_flow <= MAX_FLOW)
+            and hid % KC == 0 and KC <= hid <= widest and n_flow <= MAX_FLOW)
 
 
 def _network_operands(inp: HeadInputs, sizes: tuple[int, ...], z: int, v_min: float,
-                      dz: float) -> tuple[Array, Array]:
-    """One network's ``(w [nb, hidden, 64] bf16, vec [L] float32)``: every action block of
+                      dz: float, dtype) -> tuple[Array, Array]:
+    """One network's ``(w [nb, hidden, 64] dtype, vec [L] float32)``: every action block of
     the output layers (value first, then each branch's actions) re-padded to 64 atoms, and the
     vectors: the blocks' biases (padded atoms NEG), the conditioning rows, the two streams'
     order-flow rows (``MAX_FLOW`` rows each, zeros past the features) and the support."""
@@ -106,7 +139,7 @@ def _network_operands(inp: HeadInputs, sizes: tuple[int, ...], z: int, v_min: fl
         blocks.append(jnp.pad(jnp.moveaxis(w, 1, 0), ((0, 0), (0, 0), (0, ZB - z))))
         b = inp.out_bias[k].reshape(n, zp)[:, :z].astype(F32)
         biases.append(jnp.pad(b, ((0, 0), (0, ZB - z)), constant_values=NEG))
-    w = jnp.concatenate(blocks).astype(jnp.bfloat16)
+    w = jnp.concatenate(blocks).astype(dtype)
     flow_rows = [jnp.pad(fk.astype(F32), ((0, MAX_FLOW - fk.shape[0]), (0, 0)))
                  for fk in inp.flow_kernel]
     j = jnp.arange(ZB)
@@ -120,13 +153,16 @@ def _network_operands(inp: HeadInputs, sizes: tuple[int, ...], z: int, v_min: fl
 def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tuple[int, ...],
             hid: int, n_flow: int, q_scale: float, stages: int, interpret: bool,
             loop: bool = True, probe: str = "", compact: bool = True):
-    """For ``P`` independent sets at once (seeds): ``pre_o``/``pre_t [P, ·, 5·hid]`` bf16
-    (the networks' rows start at ``offsets`` and run for ``b`` rows), ``w [P, 2, nb, hid,
-    64]`` bf16, ``vec [P, 2, L]`` float32, ``flow [P, F, b]`` float32 → ``(probs [P, b, D·64]
-    float32, a* [P, D, b] int32)``. ``stages``: the output layers' ring slots. ``loop``: each
+    """For ``P`` independent sets at once (seeds): ``pre_o``/``pre_t [P, ·, 5·hid]`` bf16 or
+    float32 (the networks' rows start at ``offsets`` and run for ``b`` rows), ``w [P, 2, nb,
+    hid, 64]`` in ``pre``'s dtype (float32 on the GPU: ``[P, 2, nb, 64, hid]``, each block
+    transposed, as TF32 wgmma reads B K-major), ``vec [P, 2, L]`` float32, ``flow [P, 2, F,
+    b]`` float32 (each network's order flow) → ``(probs [P, b, D·64] float32, a* [P, D, b]
+    int32)``. ``stages``: the output layers' ring slots. ``loop``: each
     branch's actions as a ``fori_loop`` (else unrolled: ~3× the code, slower). ``compact``:
     two streams' rows of ``pre``, one network's vectors and one branch's probabilities in
-    shared memory at a time (~98 KB at ``stages = 2``: two CTAs per SM), else all five
+    shared memory at a time (bf16 ~98 KB at ``stages = 2``: two CTAs per SM; float32 ~126 KB
+    at ``stages = 1``: one), else all five
     streams, both networks' vectors and two branches (~190 KB: one CTA per SM). ``probe``
     (timing only, wrong values): ``"mm_only"`` drops the max/exp passes."""
     from jax.experimental import pallas as pl
@@ -134,9 +170,12 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
-    p, b = flow.shape[0], flow.shape[2]
+    p, b = flow.shape[0], flow.shape[3]
     tm, nd = ROWS, len(sizes)
-    nh = hid // KC  # chunks per stream
+    dt = pre_o.dtype
+    kc = _chunk(dt)  # a chunk's columns: 64 bf16, 32 float32
+    kmajor = dt == F32 and not interpret  # TF32: the weights' blocks read transposed
+    nh = hid // kc  # chunks per stream
     nb = 1 + sum(sizes)  # action blocks per network
     total = 2 * nb
     s_ = min(stages, total)
@@ -151,7 +190,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     o_bias, o_cond = 0, nb * ZB
     o_flow = o_cond + a0 * hid
     o_sup = o_flow + 2 * MAX_FLOW * hid
-    tr = _transforms(KC, jnp.bfloat16)
+    tr = _transforms(kc, dt)
     tr_out = _transforms(OUT_COLS, F32)
     row_l = None if interpret else plgpu.Layout.WGMMA.reduce(1)
 
@@ -173,14 +212,15 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
             n, k = divmod(u, ns)
             rows = pl.ds(offsets[n] + mi * tm, tm)
             for c in range(nh):
-                plgpu.copy_gmem_to_smem(pres[n].at[pi, rows, pl.ds((k * nh + c) * KC, KC)],
+                plgpu.copy_gmem_to_smem(pres[n].at[pi, rows, pl.ds((k * nh + c) * kc, kc)],
                                         pre_s.at[(u % r_) * nh + c], bar_pre.at[u % r_])
 
         def fetch_w(t):  # t a Python int or traced (inside a loop over actions)
             n, i = t // nb, t % nb
             for c in range(nh):
-                plgpu.copy_gmem_to_smem(w_g.at[pi, n, i, pl.ds(c * KC, KC)], ring.at[t % s_, c],
-                                        bar_w.at[t % s_])
+                src = w_g.at[pi, n, i, :, pl.ds(c * kc, kc)] if kmajor else \
+                    w_g.at[pi, n, i, pl.ds(c * kc, kc)]
+                plgpu.copy_gmem_to_smem(src, ring.at[t % s_, c], bar_w.at[t % s_])
 
         def fetch_vec(n, bar):
             for q in range(0, n_vec, 256):
@@ -189,9 +229,10 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
 
         for n in range(n_vbuf):
             fetch_vec(n, bar_vec.at[0])
-        for f in range(n_flow):
-            plgpu.copy_gmem_to_smem(flow_g.at[pi, f, pl.ds(mi * tm, tm)], flow_s.at[f],
-                                    bar_vec.at[0])
+        for n in range(2):
+            for f in range(n_flow):
+                plgpu.copy_gmem_to_smem(flow_g.at[pi, n, f, pl.ds(mi * tm, tm)],
+                                        flow_s.at[n, f], bar_vec.at[0])
         for u in range(r_):
             fetch_pre(u)
         for t in range(s_):
@@ -203,10 +244,9 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                      if not interpret else None)
             return lax.broadcast_in_dim(v, (tm, width), [1])
 
-        def col(v, width=KC):  # a per-row [tm] vector broadcast over columns
+        def col(v, width=kc):  # a per-row [tm] vector broadcast over columns
             return lax.broadcast_in_dim(v, (tm, width), [0])
 
-        flows = [load(flow_s.at[f], row_l) for f in range(n_flow)]
 
         def prepare(n, k, add=None):
             """Stream k's A operand in place: (pre + add) rounded to bf16, ReLU'd."""
@@ -216,16 +256,16 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                 slot = (u % r_) * nh + c
                 x = load(pre_s.at[slot], plgpu.Layout.WGMMA if not interpret else None)
                 if add is not None:
-                    x = (x.astype(F32) + add(c)).astype(jnp.bfloat16)
-                pre_s[slot] = jnp.maximum(x, jnp.zeros((), jnp.bfloat16))
+                    x = (x.astype(F32) + add(c)).astype(dt)
+                pre_s[slot] = jnp.maximum(x, jnp.zeros((), dt))
             plgpu.commit_smem()
 
         def flow_add(n, d):  # order type (d = 2) or urgency (d = 3): Σ_f flow_f·W_f
             def add(c):
                 out = None
                 for f in range(n_flow):
-                    start = o_flow + ((d - 2) * MAX_FLOW + f) * hid + c * KC
-                    t = col(flows[f]) * row_vec(n, start, KC)
+                    start = o_flow + ((d - 2) * MAX_FLOW + f) * hid + c * kc
+                    t = col(load(flow_s.at[n, f], row_l)) * row_vec(n, start, kc)
                     out = t if out is None else out + t
                 return out
             return add
@@ -234,7 +274,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
             def add(c):
                 out = None
                 for a in range(a0):
-                    t = col(q_dir[a] / q_scale) * row_vec(n, o_cond + a * hid + c * KC, KC)
+                    t = col(q_dir[a] / q_scale) * row_vec(n, o_cond + a * hid + c * kc, kc)
                     out = t if out is None else out + t
                 return out
             return add
@@ -246,7 +286,9 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
 
             def mm(acc_ref):
                 for c in range(nh):
-                    plgpu.wgmma(acc_ref, pre_s.at[ps * nh + c], ring.at[slot, c])
+                    b_op = ring.at[slot, c]  # B [K, N]: float32's through a transposed view
+                    plgpu.wgmma(acc_ref, pre_s.at[ps * nh + c],
+                                b_op.transpose((1, 0)) if kmajor else b_op)
                 return acc_ref[...]
 
             acc = pl.run_scoped(mm, plgpu.ACC((tm, ZB), F32))
@@ -362,16 +404,17 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                   jax.ShapeDtypeStruct((p, nd, b), jnp.int32)),
         grid=(p, b // tm),
         grid_names=("p", "m"),
-        scratch_types={"pre_s": plgpu.SMEM((r_ * nh, tm, KC), jnp.bfloat16, transforms=tr),
+        scratch_types={"pre_s": plgpu.SMEM((r_ * nh, tm, kc), dt, transforms=tr),
                        "vec_s": plgpu.SMEM((n_vbuf, n_vec), F32),
-                       "flow_s": plgpu.SMEM((max(n_flow, 1), tm), F32),
-                       "ring": plgpu.SMEM((s_, nh, KC, ZB), jnp.bfloat16, transforms=tr),
+                       "flow_s": plgpu.SMEM((2, max(n_flow, 1), tm), F32),
+                       "ring": plgpu.SMEM((s_, nh, ZB, kc) if kmajor else (s_, nh, kc, ZB), dt,
+                                          transforms=tr),
                        "out_s": plgpu.SMEM((n_oslot, ZB // OUT_COLS, tm, OUT_COLS), F32,
                                            transforms=tr_out),
                        "a_s": plgpu.SMEM((nd, tm), jnp.int32),
                        "qd_s": plgpu.SMEM((a0, tm), F32),
                        "bar_pre": plgpu.Barrier(num_arrivals=nh, num_barriers=r_),
-                       "bar_vec": plgpu.Barrier(num_arrivals=n_vbuf * n_pieces + n_flow,
+                       "bar_vec": plgpu.Barrier(num_arrivals=n_vbuf * n_pieces + 2 * n_flow,
                                                 num_barriers=1),
                        "bar_vec1": plgpu.Barrier(num_arrivals=n_pieces, num_barriers=1),
                        "bar_w": plgpu.Barrier(num_arrivals=nh, num_barriers=s_)},
@@ -384,18 +427,20 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
 @functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "stages",
                                              "loop", "probe", "compact"))
 def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
-                        v_max: float, interpret: bool = False, stages: int = STAGES,
+                        v_max: float, interpret: bool = False, stages: int | None = None,
                         loop: bool = True, probe: str = "", compact: bool = True
                         ) -> tuple[Array, Array]:
     """Same contract as :func:`jdqn.pallas.double_q_heads.double_q_heads`: ``(a* int32
     [B, D], probs float32 [B, D, 64])``; ``target=None``: ``online`` holds the pair (leaves
     ``[2, ...]``, online first; its ``pre`` read in place). Check :func:`eligible` first.
     Grad-free (the inputs go through ``stop_gradient``). ``interpret=True``: JAX's GPU
-    interpreter (off the GPU)."""
+    interpreter (off the GPU). ``stages``: the output layers' ring slots (None: the dtype's,
+    :data:`STAGES`)."""
     pair = target is None
     if not eligible(online, z, pair) or (not pair and not eligible(target, z, False)):
-        raise ValueError("double_q_heads_mgpu: inputs outside the kernel's shapes (bf16 pre "
-                         "with rows a multiple of 64, hidden 64–256 by 64, Zb = 64, at most "
+        raise ValueError("double_q_heads_mgpu: inputs outside the kernel's shapes (bf16 or "
+                         "float32 pre — float32 under a TF32 matmul precision — with rows a "
+                         "multiple of 64, hidden 64–256 by 64, Zb = 64, at most "
                          f"{MAX_FLOW} order-flow features)")
     nets = [jax.tree.map(lambda x, i=i: x[i], online) for i in (0, 1)] if pair \
         else [online, target]
@@ -404,11 +449,18 @@ def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v
     zp = one.out_bias[0].shape[-1]
     sizes = tuple(x.shape[-1] // zp for x in one.out_bias[1:])
     dz = float((v_max - v_min) / (z - 1))
-    ops = [_network_operands(inp, sizes, z, float(v_min), dz) for inp in nets]
+    dt = one.pre.dtype
+    stages = STAGES["bfloat16" if dt == jnp.bfloat16 else "float32"] if stages is None \
+        else stages
+    ops = [_network_operands(inp, sizes, z, float(v_min), dz, dt) for inp in nets]
     w = jnp.stack([o[0] for o in ops])
+    if dt == F32 and not interpret:  # TF32 wgmma reads B K-major: each block transposed
+        w = jnp.swapaxes(w, -1, -2)
     vec = jnp.stack([o[1] for o in ops])
     n_flow = one.flow.shape[-1]
-    flow = one.flow.astype(F32).T if n_flow else jnp.zeros((1, b), F32)
+    # each network's own order flow (the trainer's two read the same s′; nothing assumes it)
+    flow = jnp.stack([jnp.swapaxes(inp.flow.astype(F32), 0, 1) if n_flow else
+                      jnp.zeros((1, b), F32) for inp in nets])
     if pair:
         pre = online.pre.reshape(2 * b, -1)  # a free reshape: both networks' rows in place
         pre_o = pre_t = pre
