@@ -176,6 +176,30 @@ def _only(monkeypatch, *kernels):
     monkeypatch.setattr(total_module, "use_pallas", lambda impl, kernel: kernel in kernels)
 
 
+def _assert_kernel_loss_is_the_products_loss(monkeypatch, loss, params, switch: str,
+                                             calls: list, pre_shape: tuple, rtol_ps: float,
+                                             grad_rel: float) -> None:
+    """``loss``'s value, per-sample losses, components and gradients with the kernel's
+    ``switch`` on equal those through the heads' products and the double-Q kernel (values to
+    float32 rounding, per-sample losses to ``rtol_ps``, each gradient within ``grad_rel`` of
+    its largest entry), and the kernel ran once, on ``pre`` of ``pre_shape``."""
+    _only(monkeypatch, "double_q")
+    (want, (want_c, want_ps, _, _)), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params)
+    assert calls == []
+    _only(monkeypatch, "double_q", switch)
+    (got, (got_c, got_ps, _, _)), got_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params)
+    assert calls == [pre_shape]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_ps, want_ps, rtol=rtol_ps)
+    for name in ("c51", "mse", "iqn"):
+        np.testing.assert_allclose(got_c[name], want_c[name], rtol=1e-6, err_msg=name)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0,
+                                   atol=grad_rel * float(np.max(np.abs(b))) + 1e-9)
+
+
 def test_the_loss_through_the_kernel_equals_the_double_q_kernels_path(monkeypatch):
     """Under bf16 matmuls (the forwards at s′ apart) with the switch on, the update's loss runs
     the kernel once (neither the double-Q kernel nor ``expected_q_streams``) and has the value,
@@ -191,22 +215,11 @@ def test_the_loss_through_the_kernel_equals_the_double_q_kernels_path(monkeypatc
     monkeypatch.setattr(double_q_heads_mgpu, "double_q_heads_mgpu",
                         lambda *a, **k: calls.append(a[0].pre.shape) or real(*a, **k))
     loss, params = _loss()
-    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    _only(monkeypatch, "double_q")
-    (want, (want_c, want_ps, _, _)), want_g = grad(params)
-    assert calls == []
-    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME)
-    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (got, (got_c, got_ps, _, _)), got_g = grad(params)
-    assert calls == [(64, 5 * 64)]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    np.testing.assert_allclose(got_ps, want_ps, rtol=1e-6)
-    for name in ("c51", "mse", "iqn"):
-        np.testing.assert_allclose(got_c[name], want_c[name], rtol=1e-6, err_msg=name)
-    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
-        # (the magnitude branch's targets move by ~1e-4 where a conditioned input rounds to
-        # the neighbouring bf16 value: the test above)
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * float(np.max(np.abs(b))) + 1e-9)
+    # (gradients to 1e-3: the magnitude branch's targets move by ~1e-4 where a conditioned
+    # input rounds to the neighbouring bf16 value, the test above)
+    _assert_kernel_loss_is_the_products_loss(monkeypatch, loss, params,
+                                             double_q_heads_mgpu.KERNEL_NAME, calls,
+                                             (64, 5 * 64), rtol_ps=1e-6, grad_rel=1e-3)
     names = pallas_kernel_names(jax.make_jaxpr(lambda p: loss(p)[0])(params).jaxpr)
     assert "double_q_next" not in names and "expected_q_streams" not in names
     assert "double_q_heads" not in names
@@ -234,19 +247,9 @@ def test_the_float32_loss_runs_the_kernel_on_the_twin_pair(monkeypatch):
     monkeypatch.setattr(double_q_heads_mgpu, "double_q_heads_mgpu",
                         lambda *a, **k: calls.append(a[0].pre.shape) or real(*a, **k))
     loss, params = _loss(64, "float32")
-    _only(monkeypatch, "double_q")
-    (want, (want_c, want_ps, _, _)), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-        params)
-    _only(monkeypatch, "double_q", double_q_heads_mgpu.KERNEL_NAME_F32)
-    (got, (got_c, got_ps, _, _)), got_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-        params)
-    assert calls == [(2, 64, 5 * 64)]
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    np.testing.assert_allclose(got_ps, want_ps, rtol=1e-5)
-    for name in ("c51", "mse", "iqn"):
-        np.testing.assert_allclose(got_c[name], want_c[name], rtol=1e-6, err_msg=name)
-    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))) + 1e-9)
+    _assert_kernel_loss_is_the_products_loss(monkeypatch, loss, params,
+                                             double_q_heads_mgpu.KERNEL_NAME_F32, calls,
+                                             (2, 64, 5 * 64), rtol_ps=1e-5, grad_rel=1e-4)
 
 
 def test_auto_takes_the_bf16_kernel_on_a_hopper_gpu_not_the_float32_one(monkeypatch):
