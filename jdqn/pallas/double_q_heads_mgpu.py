@@ -158,13 +158,12 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     hid, 64]`` in ``pre``'s dtype (float32 on the GPU: ``[P, 2, nb, 64, hid]``, each block
     transposed, as TF32 wgmma reads B K-major), ``vec [P, 2, L]`` float32, ``flow [P, 2, F,
     b]`` float32 (each network's order flow) → ``(probs [P, b, D·64] float32, a* [P, D, b]
-    int32)``. ``stages``: the output layers' ring slots. ``loop``: each
-    branch's actions as a ``fori_loop`` (else unrolled: ~3× the code, slower). ``compact``:
-    two streams' rows of ``pre``, one network's vectors and one branch's probabilities in
-    shared memory at a time (bf16 ~98 KB at ``stages = 2``: two CTAs per SM; float32 ~126 KB
-    at ``stages = 1``: one), else all five
-    streams, both networks' vectors and two branches (~190 KB: one CTA per SM). ``probe``
-    (timing only, wrong values): ``"mm_only"`` drops the max/exp passes."""
+    int32)``. ``stages``: the output layers' ring slots. ``loop``: each branch's actions as a
+    ``fori_loop`` (else unrolled: ~3× the code, slower). ``compact``: two streams' rows of
+    ``pre``, one network's vectors and one branch's probabilities in shared memory at a time
+    (bf16 ~98 KB at ``stages = 2``: two CTAs per SM; float32 ~126 KB at ``stages = 1``: one),
+    else all five streams, both networks' vectors and two branches (~190 KB: one CTA per
+    SM). ``probe`` (timing only, wrong values): ``"mm_only"`` drops the max/exp passes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -192,7 +191,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     o_sup = o_flow + 2 * MAX_FLOW * hid
     tr = _transforms(kc, dt)
     tr_out = _transforms(OUT_COLS, F32)
-    row_l = None if interpret else plgpu.Layout.WGMMA.reduce(1)
+    row_l = plgpu.Layout.WGMMA.reduce(1)  # a per-row vector (layouts: GPU only)
 
     def load(ref, layout):
         return ref[...] if interpret else mgpu_load(ref, layout, plgpu)
@@ -240,21 +239,19 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
         plgpu.barrier_wait(bar_vec.at[0])  # every vector piece and flow row (one barrier)
 
         def row_vec(n, start, width=ZB):  # a vector of network n's as [tm, width] rows
-            v = load(vec_s.at[n % n_vbuf, pl.ds(start, width)], plgpu.Layout.WGMMA.reduce(0)
-                     if not interpret else None)
+            v = load(vec_s.at[n % n_vbuf, pl.ds(start, width)], plgpu.Layout.WGMMA.reduce(0))
             return lax.broadcast_in_dim(v, (tm, width), [1])
 
         def col(v, width=kc):  # a per-row [tm] vector broadcast over columns
             return lax.broadcast_in_dim(v, (tm, width), [0])
 
-
         def prepare(n, k, add=None):
-            """Stream k's A operand in place: (pre + add) rounded to bf16, ReLU'd."""
+            """Stream k's A operand in place: (pre + add) rounded to pre's dtype, ReLU'd."""
             u = n * ns + k
             plgpu.barrier_wait(bar_pre.at[u % r_])
             for c in range(nh):
                 slot = (u % r_) * nh + c
-                x = load(pre_s.at[slot], plgpu.Layout.WGMMA if not interpret else None)
+                x = load(pre_s.at[slot], plgpu.Layout.WGMMA)
                 if add is not None:
                     x = (x.astype(F32) + add(c)).astype(dt)
                 pre_s[slot] = jnp.maximum(x, jnp.zeros((), dt))
@@ -373,8 +370,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                         af = jnp.asarray(a, jnp.int32).astype(F32)
                         return jnp.where(col(chosen[d], ZB) == af, lg, sel)
 
-                    init = cast(jnp.zeros((tm, ZB), F32),
-                                None if interpret else plgpu.Layout.WGMMA)
+                    init = cast(jnp.zeros((tm, ZB), F32), plgpu.Layout.WGMMA)
                     sel = over_actions(n_act, step, init)
                     e = shifted_exp(sel)
                     p = e / col(jnp.sum(e, axis=1), ZB)
