@@ -125,6 +125,13 @@ def test_eligibility_and_bad_settings():
         online._replace(flow=jnp.zeros((128, 9))), Z, False)  # more than 8 flow features
     assert not double_q_heads_mgpu.eligible(  # not the head's four branches
         online._replace(out_kernel=online.out_kernel[:4]), Z, False)
+    # compiled (on a GPU): only what compiled there — bf16 up to hidden 128, not float32
+    assert double_q_heads_mgpu.COMPILED_ON_GPU == {"bfloat16": 128}
+    assert double_q_heads_mgpu.eligible(online, Z, False, compiled=True)
+    assert double_q_heads_mgpu.eligible(_pair(online, target), Z, True, compiled=True)
+    assert double_q_heads_mgpu.eligible(_inputs(128, (), 64)[0], Z, False, compiled=True)
+    assert not double_q_heads_mgpu.eligible(wide, Z, False, compiled=True)
+    assert not double_q_heads_mgpu.eligible(f32, Z, False, compiled=True)
     with pytest.raises(ValueError, match="outside the kernel's shapes"):
         double_q_heads_mgpu.double_q_heads_mgpu(online, target, z=11, v_min=V_MIN, v_max=V_MAX,
                                                 interpret=True)
@@ -281,6 +288,32 @@ def test_auto_takes_the_bf16_kernel_on_a_hopper_gpu_not_the_float32_one(monkeypa
     np.testing.assert_array_equal(a, want[0])
 
 
+def test_on_a_gpu_the_selection_takes_only_the_shapes_compiled_there(monkeypatch):
+    """The trainer's selection off the interpreter (on a GPU) takes the kernel only where it
+    compiled on a Hopper GPU (bf16, hidden ≤ 128); float32 and a wider bf16 head go to the
+    products path (here stubbed: on the CPU it would need the compiled double-Q kernel)."""
+    from jdqn.networks import heads
+
+    calls = []
+    monkeypatch.setattr(double_q_heads_mgpu, "double_q_heads_mgpu",
+                        lambda *a, **k: calls.append("kernel"))
+    monkeypatch.setattr(heads, "streams_from_inputs", lambda s, *a: s)
+    monkeypatch.setattr(double_q, "double_q_next", lambda *a: calls.append("products"))
+
+    def pick(hidden, md, pair):
+        online, target = _inputs(hidden, (3, 5), 64, md)
+        calls.clear()
+        total_module._heads_select(_pair(online, target) if pair else online,
+                                   None if pair else target, Z, V_MIN, V_MAX, False,
+                                   mgpu=True, triton=False)
+        return calls[0]
+
+    assert pick(128, "bfloat16", False) == pick(128, "bfloat16", True) == "kernel"
+    assert pick(64, "bfloat16", False) == "kernel"
+    assert pick(192, "bfloat16", False) == "products"
+    assert pick(128, "float32", True) == pick(64, "float32", False) == "products"
+
+
 def test_vmapped_sets_run_as_one_kernel_each_with_its_own_weights():
     """Under ``vmap`` (the trainer's seeds) the batch folds into the kernel's set axis: each
     set's actions and probabilities are its own oracle's, with different output layers per
@@ -318,7 +351,12 @@ def _compiled_kernel_checks(b: int, hidden: int, flow_idx: tuple[int, ...], inte
                                v_max=V_MAX, interpret=interpret, **kw)
         return tuple(np.asarray(x) for x in jax.jit(fn)(o, t))
 
-    want = [np.asarray(x) for x in double_q_heads.reference(online, target, Z, V_MIN, V_MAX)]
+    # (the oracle's float32 products exact: XLA's default on a GPU is TF32, whose rounding of
+    # the order-flow rows moved a probability by 1e-3 on the H100; the kernel adds them in
+    # float32 on its vector units)
+    with jax.default_matmul_precision("highest"):
+        want = [np.asarray(x) for x in double_q_heads.reference(online, target, Z, V_MIN,
+                                                                 V_MAX)]
     first = run(online, target)
     np.testing.assert_array_equal(first[0], want[0])
     np.testing.assert_allclose(first[1], want[1], atol=2e-4)
@@ -359,9 +397,12 @@ def _on_hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper(), reason="compiles the kernel: needs a Hopper GPU")
-@pytest.mark.parametrize("hidden,flow_idx,md", [(128, tuple(range(16, 24)), "bfloat16"),
-                                                (64, (), "bfloat16"),
-                                                (128, tuple(range(16, 24)), "float32")])
+@pytest.mark.parametrize("hidden,flow_idx,md", [
+    (128, tuple(range(16, 24)), "bfloat16"), (64, (), "bfloat16"),
+    # jax 0.11.2 on the H100 (2026-12-07): Mosaic GPU's layout inference recursed past
+    # Python's limit compiling it (COMPILED_ON_GPU); strict: a pass means it now compiles
+    pytest.param(128, tuple(range(16, 24)), "float32", marks=pytest.mark.xfail(
+        raises=RecursionError, strict=True, reason="does not compile on jax 0.11.2"))])
 def test_the_compiled_kernel_on_a_hopper_gpu(hidden, flow_idx, md):
     """On the GPU, where wgmma and TMA run asynchronously (the interpreter runs them in order,
     so it cannot see a slot refilled too early): the oracle's actions and probabilities to

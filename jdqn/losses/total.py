@@ -136,8 +136,9 @@ def _heads_select(online: Any, target: Any, z: int, v_min: float, v_max: float,
     from jdqn.pallas import double_q, double_q_heads, double_q_heads_mgpu
 
     pair = target is None
-    if mgpu and double_q_heads_mgpu.eligible(online, z, pair) and (
-            pair or double_q_heads_mgpu.eligible(target, z, False)):
+    compiled = not interpret  # on a GPU: only the shapes compiled there (COMPILED_ON_GPU)
+    if mgpu and double_q_heads_mgpu.eligible(online, z, pair, compiled) and (
+            pair or double_q_heads_mgpu.eligible(target, z, False, compiled)):
         return double_q_heads_mgpu.double_q_heads_mgpu(online, target, z, v_min, v_max,
                                                        interpret)
     if triton:

@@ -49,20 +49,24 @@ magnitude stream's conditioned input rounds to the neighbouring bf16 value its p
 move by ~1e-4 (at B = 16384 on the H100: no action different, probabilities within 1.2e-4;
 bitwise repeatable).
 
-**float32** (``"double_q_heads_mgpu_f32"``, taken only under ``impl = "pallas"``: not yet
-measured on a GPU): wgmma's float32 path is TF32 with both operands K-major in shared memory,
-so each action block of the output layers goes in transposed (``[64, hidden]``, a
-parameter-sized XLA transpose) and is read through a transposed view, as in
-:mod:`jdqn.pallas.grn_block`; a chunk is 32 columns; one output-layer slot, ~126 KB of shared
-memory at hidden 128 (one CTA per SM). Under float32 the trainer's forwards at s′ are the
-online/target pair, which the kernel reads in place (``target=None``). Eligible only where
-XLA's float32 matmuls may be TF32 (under ``"highest"`` the heads keep XLA's path). In the
-interpreter its products are exact float32 (probabilities within 1e-5 of the oracle).
+**float32** (``"double_q_heads_mgpu_f32"``; not taken on a GPU: on the H100 with jax 0.11.2
+it did not compile, Mosaic GPU's layout inference recursing past Python's limit, see
+:data:`COMPILED_ON_GPU`; the interpreter runs it): wgmma's float32 path is TF32 with both
+operands K-major in shared memory, so each action block of the output layers goes in
+transposed (``[64, hidden]``, a parameter-sized XLA transpose) and is read through a
+transposed view, as in :mod:`jdqn.pallas.grn_block`; a chunk is 32 columns; one output-layer
+slot, ~126 KB of shared memory at hidden 128 (one CTA per SM). Under float32 the trainer's
+forwards at s′ are the online/target pair, which the kernel reads in place
+(``target=None``). Eligible only where XLA's float32 matmuls may be TF32 (under
+``"highest"`` the heads keep XLA's path). In the interpreter its products are exact float32
+(probabilities within 1e-5 of the oracle).
 
 Shapes: ``hidden`` a multiple of 64 up to 256 (float32: 192), ``Zb = 64`` (Z from 33 to
 64), B a positive multiple of 64, at most 8 order-flow features, the head's four branches
-(:func:`eligible`; otherwise the loss takes the products path). Each network reads its own
-order flow. Under ``vmap`` (seeds) the sets fold into the kernel's set axis: one launch.
+(:func:`eligible`; otherwise the loss takes the products path). On a GPU the trainer takes
+it only at the shapes compiled and checked there (:data:`COMPILED_ON_GPU`: bf16, hidden 64
+or 128); the interpreter's tests cover the rest. Each network reads its own order flow.
+Under ``vmap`` (seeds) the sets fold into the kernel's set axis: one launch.
 """
 
 from __future__ import annotations
@@ -91,7 +95,13 @@ PROBES = ("", "mm_only")  # timing probes (bench/kernels.py), wrong values: no m
 
 __all__ = ["double_q_heads_mgpu", "eligible", "device_supported", "kernel_name"]
 KERNEL_NAME = "double_q_heads_mgpu"  # bf16 (in "auto")
-KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not measured yet: "pallas")
+KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not compiled on a GPU yet)
+# The widest hidden per dtype compiled and checked on a Hopper GPU (jax 0.11.2, 2026-12-07:
+# bf16 at 64 and 128). float32 at hidden 128 did not compile there: Mosaic GPU's layout
+# inference recursed past Python's default limit (its search recurses once per value it
+# assigns, and the float32 form, 32-column chunks, has twice bf16's at the same width), so a
+# wider bf16 head, as many chunks, is not taken on a GPU either until it has compiled there.
+COMPILED_ON_GPU = {"bfloat16": 128}
 
 
 def kernel_name(matmul_dtype: str) -> str:
@@ -104,10 +114,12 @@ def _chunk(dtype) -> int:
     return 128 // jnp.dtype(dtype).itemsize
 
 
-def eligible(inputs: HeadInputs, z: int, pair: bool) -> bool:
+def eligible(inputs: HeadInputs, z: int, pair: bool, compiled: bool = False) -> bool:
     """Whether the kernel takes these heads' inputs (see the module docstring): float32 only
     where XLA's own float32 matmuls may be TF32 (the kernel's products are; under
-    ``"highest"`` precision the heads keep XLA's path), as :mod:`jdqn.pallas.grn_block`."""
+    ``"highest"`` precision the heads keep XLA's path), as :mod:`jdqn.pallas.grn_block`.
+    ``compiled`` (the trainer's selection on a GPU, not the interpreter): only the dtypes and
+    widths compiled and checked on a Hopper GPU (:data:`COMPILED_ON_GPU`)."""
     pre = inputs.pre
     rows = pre.shape[-2]
     hid = inputs.cond_kernel.shape[-1]
@@ -119,6 +131,8 @@ def eligible(inputs: HeadInputs, z: int, pair: bool) -> bool:
             return False
     # float32's shared memory outgrows the SM's 227 KB past hidden 192 (2 streams of pre)
     widest = 256 if pre.dtype == jnp.bfloat16 else 192
+    if compiled:
+        widest = min(widest, COMPILED_ON_GPU.get(jnp.dtype(pre.dtype).name, 0))
     return (pre.dtype in (jnp.bfloat16, F32) and pre.ndim == (3 if pair else 2)
             and len(inputs.out_kernel) == 5  # value and the four branches the head has
             and double_q._padded_atoms(z) == ZB and rows > 0 and rows % ROWS == 0
