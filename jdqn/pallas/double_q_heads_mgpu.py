@@ -99,8 +99,8 @@ KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not compiled on 
 # The widest hidden per dtype compiled and checked on a Hopper GPU (jax 0.11.2, 2026-12-07:
 # bf16 at 64 and 128). float32 at hidden 128 did not compile there: Mosaic GPU's layout
 # inference recursed past Python's default limit (its search recurses once per value it
-# assigns, and the float32 form, 32-column chunks, has twice bf16's at the same width), so a
-# wider bf16 head, as many chunks, is not taken on a GPU either until it has compiled there.
+# assigns; the float32 form's 32-column chunks likely give it twice bf16's values at the same
+# width), so a wider bf16 head, as many chunks, is not taken on a GPU until it compiles there.
 COMPILED_ON_GPU = {"bfloat16": 128}
 
 
