@@ -172,8 +172,8 @@ def next_state_double_q(net: BranchingQNetwork, params: Any, target_params: Any,
     triton = use_pallas(c.impl, double_q_heads.kernel_name(c.matmul_dtype))
     apply = functools.partial(net.apply, grad_free=True,
                               head_streams="inputs" if mgpu or triton else True)
-    select = functools.partial(_heads_select, mgpu=mgpu, triton=triton) if mgpu else \
-        double_q_heads.double_q_heads if triton else double_q.double_q_next
+    select = functools.partial(_heads_select, mgpu=mgpu, triton=triton) if mgpu or triton \
+        else double_q.double_q_next
     if twin:
         pair = jax.tree.map(lambda p, t: jnp.stack([p, t]), params, target_params)
         both = jax.vmap(apply, in_axes=(0, None))(pair, next_obs)
