@@ -144,10 +144,16 @@ def test_the_kernel_lowers_to_one_triton_call_for_cuda_on_any_machine(matmul_dty
     (Triton's own compilation happens on the GPU: ``bench/kernels.py --kernel
     double_q_heads``)."""
     online, target = _inputs(matmul_dtype, (3, 5), 64)
+    # the target GPU named as an abstract device: jax 0.11's Triton lowering reads the GPU's
+    # kind from it when no GPU is attached (jax 0.10's assumed one)
+    hopper = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
     for rows, stages in ((32, None), (64, None), (64, 2)):
         run = jax.jit(functools.partial(double_q_heads.double_q_heads, target=None, z=11,
                                         v_min=V_MIN, v_max=V_MAX, rows=rows, stages=stages))
-        text = run.trace(_pair(online, target)).lower(lowering_platforms=("cuda",)).as_text()
+        with jax.sharding.use_abstract_mesh(hopper):
+            lowered = run.trace(_pair(online, target)).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
         assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, (rows, stages)
         assert 'name = "double_q_heads"' in text, (rows, stages)
 
