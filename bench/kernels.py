@@ -613,16 +613,21 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype:
         from jdqn.pallas.double_q_heads_mgpu import double_q_heads_mgpu
 
         # "2": ring depth 2; "-2": each branch's actions unrolled; "w3": the wide layout
-        # (compact=False: one CTA per SM); "2:mm_only": a timing probe
+        # (compact=False: one CTA per SM); "g2": lowered under Mosaic GPU's warpgroup
+        # semantics (layout inference) instead of the kernel's lane semantics; "2:mm_only": a
+        # timing probe
         for spec in mgpu_stages:
             k, _, probe = str(spec).partition(":")
-            wide = k.startswith("w")
-            k = int(k.lstrip("w"))
+            flags = k[:len(k) - len(k.lstrip("wg"))]
+            wide, warpgroup = "w" in flags, "g" in flags
+            k = int(k.lstrip("wg"))
             name = f"pallas_mgpu_s{abs(k)}" + ("_unrolled" if k < 0 else "") + \
-                ("_wide" if wide else "") + (f"_{probe}" if probe else "")
+                ("_wide" if wide else "") + ("_warpgroup" if warpgroup else "") + \
+                (f"_{probe}" if probe else "")
             fns[name] = pre_first(functools.partial(
                 double_q_heads_mgpu, z=z, v_min=lo, v_max=hi, interpret=interpret,
-                stages=abs(k), loop=k > 0, probe=probe, compact=not wide))
+                stages=abs(k), loop=k > 0, probe=probe, compact=not wide,
+                semantics="warpgroup" if warpgroup else "lane"))
     ref_a, ref_p = (np.asarray(x) for x in jax.jit(fns["xla_products_double_q"])(
         pre_o, *inputs))
 
@@ -743,7 +748,9 @@ def main(argv: list[str] | None = None) -> None:
                          "(comma-separated, in --dtype; Hopper); a negative depth: that depth "
                          "with each branch's actions unrolled instead of a loop (pass it as "
                          "--double-q-heads-mgpu=-3); a leading w: the "
-                         "wide shared-memory layout (one CTA per SM); DEPTH:PROBE a timing "
+                         "wide shared-memory layout (one CTA per SM); a leading g: lowered "
+                         "under Mosaic GPU's warpgroup semantics (its layout inference) "
+                         "instead of the kernel's lane semantics; DEPTH:PROBE a timing "
                          "probe (mm_only: no max/exp passes, wrong values)")
     ap.add_argument("--double-q-heads-tiles", default="64/4,64/4/2,64/4/3,32/4/2",
                     help="fused heads + double-Q kernel tiles to time: rows/num_warps "

@@ -512,18 +512,20 @@ def test_kernels_bench_times_the_fused_heads_kernel_against_the_products_path(tm
 def test_kernels_bench_times_the_mosaic_gpu_heads_kernel_beside_the_path(tmp_path):
     """``--double-q-heads-mgpu``: the Mosaic GPU heads kernel's rows beside the loss's path
     (in JAX's GPU interpreter): a negative ring depth (each branch's actions unrolled), a
-    leading ``w`` (the wide layout) and a probe, each named by its settings; the kernel row
-    chooses every action as the path does, and the probe's values are wrong by design."""
+    leading ``w`` (the wide layout) with ``g`` (warpgroup semantics) and a probe, each named
+    by its settings; the kernel row chooses every action as the path does, and the probe's
+    values are wrong by design."""
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     out = _kernels_bench("--kernel", "double_q_heads", "--batch", "64", "--reps", "1",
                          "--double-q-heads-tiles", "16/2/2",
-                         "--double-q-heads-mgpu=-1,w2:mm_only",  # ("=": a leading minus)
+                         "--double-q-heads-mgpu=-1,wg2:mm_only",  # ("=": a leading minus)
                          "--dtype", "bfloat16", "--interpret")
     assert set(out["results"]) == {"xla_products_double_q", "pallas_rows16_w2_s2",
-                                   "pallas_mgpu_s1_unrolled", "pallas_mgpu_s2_wide_mm_only"}
+                                   "pallas_mgpu_s1_unrolled",
+                                   "pallas_mgpu_s2_wide_warpgroup_mm_only"}
     r = out["results"]["pallas_mgpu_s1_unrolled"]
     assert r["bitwise_repeat"] and r["actions_differing"] == 0 and r["max_abs_diff"] < 2e-4
-    assert out["results"]["pallas_mgpu_s2_wide_mm_only"]["max_abs_diff"] > 0.01
+    assert out["results"]["pallas_mgpu_s2_wide_warpgroup_mm_only"]["max_abs_diff"] > 0.01
 
 
 def test_matmul_floor_collects_every_dot_counting_scans_and_skipping_pallas():

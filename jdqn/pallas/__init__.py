@@ -77,9 +77,11 @@ Kernels in this version:
   differing; the update 1.582–1.609 against 1.630–1.656 ms over four alternated rounds
   (``train_h100_bf16_double_q_heads_mgpu_ab{,2}.json``), so ``"auto"`` takes it on Hopper.
   On a GPU only the shapes that have compiled there are taken (``COMPILED_ON_GPU``: bf16,
-  hidden 64 or 128). Its float32 form (TF32, ``"double_q_heads_mgpu_f32"``) is tested in the
-  interpreter and lowers for ``cuda`` but did not compile on the H100 (jax 0.11.2: Mosaic
-  GPU's layout inference recursed past Python's limit): no GPU run takes it.
+  hidden 64 or 128). It is lowered under lane semantics on both JAX versions (jax 0.11's
+  default, warpgroup, recursed past Python's limit in its layout search on the float32 form).
+  Its float32 form (TF32, ``"double_q_heads_mgpu_f32"``) is tested in the interpreter and
+  compiles on the H100, but ties XLA's path there (296.1 against 301.5 µs) and chose 1 of
+  4,096 actions differently from the exact oracle: no GPU run takes it.
 
 * :func:`jdqn.pallas.iqn_tail.iqn_tail` — the IQN head's output stage (hidden bias, ReLU,
   output layer) over its first product's ``[B·Q, F]`` rows, with a backward kernel; float32

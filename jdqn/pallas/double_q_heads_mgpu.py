@@ -42,16 +42,32 @@ the update (``"double_q_heads_mgpu"``, the online and target heads at s′ under
 1.609 ms against 1.630–1.656** over four alternated rounds in two machine sessions
 (``train_h100_bf16_double_q_heads_mgpu_ab{,2}.json``), so ``"auto"`` takes it on a Hopper GPU.
 
+The kernel writes every layout out and is lowered under Mosaic GPU's **lane** semantics, named
+in its compiler parameters (:data:`SEMANTICS`): jax 0.10 lowers that by default, jax 0.11
+lowers ``warpgroup`` semantics by default, which re-derives the layouts by a search that
+recursed past Python's limit on the float32 form and runs at every lowering, before the
+compile cache is consulted. Measured on the H100 with jax 0.11.2
+(``kernels_h100_bf16_double_q_heads_mgpu_lane_vs_warpgroup.json``,
+``train_h100_bf16_double_q_heads_mgpu_lane_ab.json``): the same values, 127.4 against 125.7 µs
+alone, the update 1.587–1.601 against 1.578–1.588 ms over two alternated rounds (within their
+spread), and the bench's whole run 19.6 against 24.9 s with the compile cache warm.
+
 ``exp`` is Mosaic GPU's approximate one (``approx_math``), as in :mod:`jdqn.pallas.grn_block`;
 the expected Q differs from the oracle's in its last bits, so an action whose expected Q ties
 another's to rounding may be chosen differently (as with the Triton kernel), and where the
-magnitude stream's conditioned input rounds to the neighbouring bf16 value its probabilities
-move by ~1e-4 (at B = 16384 on the H100: no action different, probabilities within 1.2e-4;
-bitwise repeatable).
+magnitude, order-type or urgency stream's conditioned input (summed in float32 in the
+kernel's order, not the product's) lands by a last bit on the other side of a bf16 rounding
+midpoint (a few elements in 100,000) that row's probabilities move by up to ~1e-3 (at B =
+16384 on the H100: no action different, probabilities within 1.2e-4 of XLA's path; at 1024
+rows in the GPU test, one row's order type by 1.0e-3 from the exact oracle; bitwise
+repeatable).
 
-**float32** (``"double_q_heads_mgpu_f32"``; not taken on a GPU: on the H100 with jax 0.11.2
-it did not compile, Mosaic GPU's layout inference recursing past Python's limit, see
-:data:`COMPILED_ON_GPU`; the interpreter runs it): wgmma's float32 path is TF32 with both
+**float32** (``"double_q_heads_mgpu_f32"``; not taken on a GPU, see :data:`COMPILED_ON_GPU`:
+on the H100 with jax 0.11.2 it compiles under lane semantics but is no faster than XLA's path
+— 296.1 against 301.5 µs for the pair's heads — and chose 50 of 65,536 actions differently
+from it, 1 of 4,096 from the exact oracle, likely wgmma's TF32 reading of the float32
+operands by truncation where XLA and Triton round; the interpreter runs it): wgmma's float32
+path is TF32 with both
 operands K-major in shared memory, so each action block of the output layers goes in
 transposed (``[64, hidden]``, a parameter-sized XLA transpose) and is read through a
 transposed view, as in :mod:`jdqn.pallas.grn_block`; a chunk is 32 columns; one output-layer
@@ -92,15 +108,21 @@ STAGES = {"bfloat16": 2, "float32": 1}  # the output layers' ring: ~98 KB / ~126
 NEG = double_q._NEG  # a padded atom's bias: probability 0, no inf arithmetic
 MAX_FLOW = 8
 PROBES = ("", "mm_only")  # timing probes (bench/kernels.py), wrong values: no max/exp pass
+# Mosaic GPU's lowering semantics: "lane", the kernel's own (every layout written out), or
+# "warpgroup", which re-derives them by Mosaic GPU's layout inference. jax 0.10 defaults to
+# lane, jax 0.11 to warpgroup, whose search recursed past Python's limit on the float32 form
+# (and took ~100 s to lower it on the CPU where the limit was raised); lane lowers in seconds
+# on both versions. The kernel names lane, so both JAX versions compile the same program.
+SEMANTICS = ("lane", "warpgroup")
 
 __all__ = ["double_q_heads_mgpu", "eligible", "device_supported", "kernel_name"]
 KERNEL_NAME = "double_q_heads_mgpu"  # bf16 (in "auto")
-KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not compiled on a GPU yet)
+KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not taken on a GPU)
 # The widest hidden per dtype compiled and checked on a Hopper GPU (jax 0.11.2, 2026-12-07:
-# bf16 at 64 and 128). float32 at hidden 128 did not compile there: Mosaic GPU's layout
-# inference recursed past Python's default limit (its search recurses once per value it
-# assigns; the float32 form's 32-column chunks likely give it twice bf16's values at the same
-# width), so a wider bf16 head, as many chunks, is not taken on a GPU until it compiles there.
+# bf16 at 64 and 128, under both semantics). float32 at hidden 128 compiles under lane
+# semantics but failed the check (1 of 4,096 actions off the exact oracle's, 50 of 65,536 off
+# XLA's path) and gains nothing on XLA's path (296.1 against 301.5 µs); a bf16 head wider than
+# 128 has not been compiled on a GPU. Neither is taken there until it has been checked.
 COMPILED_ON_GPU = {"bfloat16": 128}
 
 
@@ -166,7 +188,8 @@ def _network_operands(inp: HeadInputs, sizes: tuple[int, ...], z: int, v_min: fl
 
 def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tuple[int, ...],
             hid: int, n_flow: int, q_scale: float, stages: int, interpret: bool,
-            loop: bool = True, probe: str = "", compact: bool = True):
+            loop: bool = True, probe: str = "", compact: bool = True,
+            semantics: str = "lane"):
     """For ``P`` independent sets at once (seeds): ``pre_o``/``pre_t [P, ·, 5·hid]`` bf16 or
     float32 (the networks' rows start at ``offsets`` and run for ``b`` rows), ``w [P, 2, nb,
     hid, 64]`` in ``pre``'s dtype (float32 on the GPU: ``[P, 2, nb, 64, hid]``, each block
@@ -177,12 +200,15 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     ``pre``, one network's vectors and one branch's probabilities in shared memory at a time
     (bf16 ~98 KB at ``stages = 2``: two CTAs per SM; float32 ~126 KB at ``stages = 1``: one),
     else all five streams, both networks' vectors and two branches (~190 KB: one CTA per
-    SM). ``probe`` (timing only, wrong values): ``"mm_only"`` drops the max/exp passes."""
+    SM). ``probe`` (timing only, wrong values): ``"mm_only"`` drops the max/exp passes.
+    ``semantics``: Mosaic GPU's lowering semantics (:data:`SEMANTICS`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, not {semantics!r}")
     p, b = flow.shape[0], flow.shape[3]
     tm, nd = ROWS, len(sizes)
     dt = pre_o.dtype
@@ -428,24 +454,27 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                                                 num_barriers=1),
                        "bar_vec1": plgpu.Barrier(num_arrivals=n_pieces, num_barriers=1),
                        "bar_w": plgpu.Barrier(num_arrivals=nh, num_barriers=s_)},
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=getattr(plgpu.LoweringSemantics,
+                                                         semantics.capitalize())),
         interpret=_interpret_params() if interpret else None,
     )
     return kernel(pre_o, pre_t, w, vec, flow)
 
 
 @functools.partial(jax.jit, static_argnames=("z", "v_min", "v_max", "interpret", "stages",
-                                             "loop", "probe", "compact"))
+                                             "loop", "probe", "compact", "semantics"))
 def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v_min: float,
                         v_max: float, interpret: bool = False, stages: int | None = None,
-                        loop: bool = True, probe: str = "", compact: bool = True
-                        ) -> tuple[Array, Array]:
+                        loop: bool = True, probe: str = "", compact: bool = True,
+                        semantics: str = "lane") -> tuple[Array, Array]:
     """Same contract as :func:`jdqn.pallas.double_q_heads.double_q_heads`: ``(a* int32
     [B, D], probs float32 [B, D, 64])``; ``target=None``: ``online`` holds the pair (leaves
     ``[2, ...]``, online first; its ``pre`` read in place). Check :func:`eligible` first.
     Grad-free (the inputs go through ``stop_gradient``). ``interpret=True``: JAX's GPU
     interpreter (off the GPU). ``stages``: the output layers' ring slots (None: the dtype's,
-    :data:`STAGES`)."""
+    :data:`STAGES`). ``semantics``: Mosaic GPU's lowering semantics (:data:`SEMANTICS`;
+    ``"warpgroup"`` for comparison in ``bench/kernels.py``)."""
     pair = target is None
     if not eligible(online, z, pair) or (not pair and not eligible(target, z, False)):
         raise ValueError("double_q_heads_mgpu: inputs outside the kernel's shapes (bf16 or "
@@ -479,17 +508,18 @@ def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v
         pre_o, pre_t, offsets = online.pre, target.pre, (0, 0)
     args = lax.stop_gradient((pre_o, pre_t, w, vec, flow))
     run = _batched(offsets, sizes, hid, n_flow, float(max(abs(v_min), abs(v_max))), stages,
-                   interpret, loop, probe, compact)
+                   interpret, loop, probe, compact, semantics)
     probs, a = run(*(x[None] for x in args))
     return a[0].T, probs[0].reshape(b, len(sizes), ZB)
 
 
 @functools.cache
-def _batched(offsets, sizes, hid, n_flow, q_scale, stages, interpret, loop, probe, compact):
+def _batched(offsets, sizes, hid, n_flow, q_scale, stages, interpret, loop, probe, compact,
+             semantics):
     """The kernel over a leading axis of sets, each further batch axis (the trainer's seeds)
     folded into that one (:func:`jdqn.pallas.grn_block.fold_sets`): one launch, each set's
     rows with its own weights."""
     return fold_sets(lambda pre_o, pre_t, w, vec, flow: _kernel(
         pre_o, pre_t, w, vec, flow, offsets=offsets, sizes=sizes, hid=hid, n_flow=n_flow,
         q_scale=q_scale, stages=stages, interpret=interpret, loop=loop, probe=probe,
-        compact=compact))
+        compact=compact, semantics=semantics))
