@@ -204,11 +204,11 @@ def run(m: int, h: int, pair: int, dtype: str, tiles, reps: int, interpret: bool
         fn = functools.partial(_mgpu_bias_first, pair=pair, kw=kw)
         fns[f"mgpu_tm{tm}_c{c2}_s{stages}{'' if stages2 is None else f'-{stages2}'}"
             f"_{eta_in}{f'_probe_{probe}' if probe else ''}"] = fn
-    for stages, stages2, probe, approx in mgpu_rs:
+    for stages, stages2, probe, approx, semantics in mgpu_rs:
         kw = {"eps": grn_tail.EPSILON, "stages": stages, "stages2": stages2, "probe": probe,
-              "approx": approx, "interpret": interpret}
+              "approx": approx, "interpret": interpret, "semantics": semantics}
         fns[f"mgpu_rs_s{stages}-{stages2}{f'_probe_{probe}' if probe else ''}"
-            f"{'_approx' if approx else ''}"] = \
+            f"{'_approx' if approx else ''}{'_wg' if semantics == 'warpgroup' else ''}"] = \
             functools.partial(_mgpu_bias_first, pair=pair, kw=kw, design="fused_rs")
     for rows, warps, chunk, stages in tiles:
         fns[f"fused_r{rows}_w{warps}_c{chunk}_s{stages}"] = bias_first(functools.partial(
@@ -278,8 +278,9 @@ def _mgpu_tile(text: str) -> tuple:
 
 def _mgpu_rs(text: str) -> tuple:
     """``stages/stages2[/options]`` → :func:`fused_grn_mgpu.fused_rs`'s settings; options
-    joined by ``+``: a probe and/or ``approx`` (SystemExit naming the entry and the field when
-    one is not valid)."""
+    joined by ``+``: a probe, ``approx`` and/or ``wg`` (Mosaic GPU's warpgroup lowering
+    semantics, not the model's lane; SystemExit naming the entry and the field when one is
+    not valid)."""
     from fused_grn_mgpu import PROBES
 
     form = "stages/stages2[/options]"
@@ -291,12 +292,13 @@ def _mgpu_rs(text: str) -> tuple:
             raise SystemExit(f"--mgpu-rs: {text!r}: {name} = {value!r} is not a positive "
                              f"integer ({form})")
     options = f[2].split("+") if len(f) > 2 else []
-    approx = "approx" in options
-    probes = [o for o in options if o != "approx"]
+    approx, wg = "approx" in options, "wg" in options
+    probes = [o for o in options if o not in ("approx", "wg")]
     if len(probes) > 1 or (probes and probes[0] not in PROBES[1:]):
         raise SystemExit(f"--mgpu-rs: {text!r}: options {f[2]!r} are not a probe "
-                         f"{PROBES[1:]} and/or 'approx'")
-    return int(f[0]), int(f[1]), probes[0] if probes else "", approx
+                         f"{PROBES[1:]}, 'approx' and/or 'wg'")
+    return (int(f[0]), int(f[1]), probes[0] if probes else "", approx,
+            "warpgroup" if wg else "lane")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the Mosaic GPU kernel with s in registers, two CTAs per SM, the "
                          "product's (jdqn.pallas.grn_block via fused_grn_mgpu.fused_rs; bf16, "
                          "or float32 as TF32): stages/stages2[/options], comma-separated; "
-                         "options joined by +: a probe, approx (approximate exp)")
+                         "options joined by +: a probe, approx (approximate exp), wg "
+                         "(warpgroup lowering semantics, not the model's lane)")
     ap.add_argument("--inputs", choices=("random", "model"), default="random",
                     help="random normal x and weights, or a GRN block's parameters and input "
                          "in the model itself (--block)")

@@ -210,11 +210,13 @@ def fused_one(x, w_fc, b_fc, w, b, scale, offset, **kw):
 
 def fused_rs(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | None = None,
              stages2: int = 3, probe: str = "", approx: bool = False,
-             interpret: bool = False):
+             interpret: bool = False, semantics: str = "lane"):
     """The block with s in registers and ~100 KB of shared memory, two CTAs per SM: the
     model's kernel (``jdqn.pallas.grn_block``, which describes it; bf16, or float32 as TF32)
     with its settings open — the rings' slots (``stages`` None: the dtype's default), the
     timing ``probe`` and ``approx`` (Mosaic GPU's approximate ``exp``, which the model takes;
-    the precise one by default here, as first measured)."""
+    the precise one by default here, as first measured) and Mosaic GPU's lowering
+    ``semantics`` (the model's lane, or warpgroup)."""
     return grn_block._kernel(x, w_fc, b_fc, w, b, scale, offset, eps=eps, stages=stages,
-                             stages2=stages2, probe=probe, approx=approx, interpret=interpret)
+                             stages2=stages2, probe=probe, approx=approx, interpret=interpret,
+                             semantics=semantics)

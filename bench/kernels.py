@@ -562,7 +562,8 @@ def bench_double_q(b: int, z: int, reps: int, tiles: list[tuple[int, int]],
 
 
 def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype: str,
-                         interpret: bool = False, mgpu_stages: tuple[str, ...] = ()) -> dict:
+                         interpret: bool = False, mgpu_stages: tuple[str, ...] = (),
+                         head_hidden: int = 0) -> dict:
     """The C51 heads' output layers and the double-Q selection at s′ in one kernel
     (``jdqn.pallas.double_q_heads``) at the update's shape: the default model's heads (two
     initialisations: online and target, the output layers scaled ×4 so that the logits spread
@@ -576,13 +577,15 @@ def bench_double_q_heads(b: int, reps: int, tiles: list[tuple[int, ...]], dtype:
     ``mgpu_stages``, the Mosaic GPU kernel in ``dtype`` (``jdqn.pallas.double_q_heads_mgpu``,
     ``pallas_mgpu_s{k}``). ``pre`` comes first (the timing loop perturbs
     the first argument: an elementwise pass over it, in every row). ``interpret``: the kernel
-    rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing)."""
+    rows in Pallas' interpreter (off the GPU; for tests — the times mean nothing).
+    ``head_hidden``: the dueling streams' width (0: the default model's)."""
     from jdqn.config import ModelConfig
     from jdqn.networks import BranchingQNetwork, init_params
     from jdqn.networks.heads import streams_from_inputs
     from jdqn.pallas import double_q, double_q_heads
 
-    cfg = ModelConfig(matmul_dtype=dtype)
+    cfg = ModelConfig(matmul_dtype=dtype,
+                      **({"head_hidden": head_hidden} if head_hidden else {}))
     width, flow_idx = 32, tuple(range(16, 24))  # the GPU configs' 24 features, 8 of order flow
     net = BranchingQNetwork(cfg, flow_idx=flow_idx)
     obs = jax.random.normal(jax.random.key(2), (b, width))
@@ -708,8 +711,8 @@ def bench_reduce(reps: int, tiles: list[tuple[int, int, int]], b: int = 16384,
 
 
 def _tiles(spec: str) -> list[tuple[int, ...]]:
-    """A tile list option (``"64/4,32/2"``) as tuples of ints."""
-    return [tuple(int(v) for v in t.split("/")) for t in spec.split(",")]
+    """A tile list option (``"64/4,32/2"``; ``""``: none) as tuples of ints."""
+    return [tuple(int(v) for v in t.split("/")) for t in spec.split(",") if t.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -756,6 +759,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="fused heads + double-Q kernel tiles to time: rows/num_warps "
                          "(actions unrolled) or rows/num_warps/stages (the loop form, "
                          "pipelined), comma-separated")
+    ap.add_argument("--head-hidden", type=int, default=0,
+                    help="double_q_heads: the dueling streams' width (0: the default model's)")
     ap.add_argument("--trunk-input-tiles", default="64/4,32/4,128/4,64/8,128/8",
                     help="trunk input kernels' tiles to time: rows/num_warps, comma-separated")
     ap.add_argument("--pair", type=int, default=1,
@@ -833,7 +838,7 @@ def main(argv: list[str] | None = None) -> None:
         _emit({"bench": "kernels", "kernel": "double_q_heads",
                **bench_double_q_heads(b, args.reps,
                                       _tiles(args.double_q_heads_tiles), args.dtype,
-                                      interpret=args.interpret,
+                                      interpret=args.interpret, head_hidden=args.head_hidden,
                                       mgpu_stages=tuple(k.strip() for k in
                                                         args.double_q_heads_mgpu.split(",")
                                                         if k.strip())), **meta})

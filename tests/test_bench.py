@@ -519,7 +519,8 @@ def test_kernels_bench_times_the_mosaic_gpu_heads_kernel_beside_the_path(tmp_pat
     out = _kernels_bench("--kernel", "double_q_heads", "--batch", "64", "--reps", "1",
                          "--double-q-heads-tiles", "16/2/2",
                          "--double-q-heads-mgpu=-1,wg2:mm_only",  # ("=": a leading minus)
-                         "--dtype", "bfloat16", "--interpret")
+                         "--dtype", "bfloat16", "--interpret", "--head-hidden", "64")
+    assert out["hidden"] == 64
     assert set(out["results"]) == {"xla_products_double_q", "pallas_rows16_w2_s2",
                                    "pallas_mgpu_s1_unrolled",
                                    "pallas_mgpu_s2_wide_warpgroup_mm_only"}
@@ -985,13 +986,14 @@ def test_fused_grn_mosaic_gpu_kernel_with_s_in_registers_is_the_models_grn_block
     for p, q in itertools.combinations(dropped, 2):
         assert np.abs(dropped[p] - dropped[q]).max() > 0.1, (p, q)
     out = _bench(tmp_path, "fused_grn.py", "--batch", "64", "--width", "128", "--tiles", "",
-                 "--mgpu-rs", "2/3,1/2/no_ln+approx", "--interpret", "--reps", "1")
-    assert set(out["results"]) == {"xla", "mgpu_rs_s2-3", "mgpu_rs_s1-2_probe_no_ln_approx"}
+                 "--mgpu-rs", "2/3,1/2/no_ln+approx+wg", "--interpret", "--reps", "1")
+    assert set(out["results"]) == {"xla", "mgpu_rs_s2-3", "mgpu_rs_s1-2_probe_no_ln_approx_wg"}
     assert out["results"]["mgpu_rs_s2-3"]["frac_diff"] <= 1e-3
-    assert out["results"]["mgpu_rs_s1-2_probe_no_ln_approx"]["max_abs_diff"] > 0.1
+    assert out["results"]["mgpu_rs_s1-2_probe_no_ln_approx_wg"]["max_abs_diff"] > 0.1
     for flags, message in ((["--mgpu-rs", "2"], "is not stages/stages2"),
                            (["--mgpu-rs", "2/0"], "stages2 = '0'"),
                            (["--mgpu-rs", "2/3/fast"], "options 'fast'"),
+                           (["--mgpu-rs", "2/3/wg+lane"], "options 'wg+lane'"),
                            (["--mgpu-rs", "2/3/no_ln+no_act"], "options 'no_ln+no_act'")):
         bad = _refused(capsys, "fused_grn.py", *flags)
         assert message in bad, (flags, bad[-500:])

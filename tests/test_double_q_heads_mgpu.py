@@ -413,9 +413,10 @@ def _compiled_kernel_checks(b: int, hidden: int, flow_idx: tuple[int, ...], inte
     _assert_probs_close(first[1], want[1], md)
     # ring depths and both layouts: the same operations on the same values, the same bits,
     # each bitwise repeatable (a slot refilled before the wgmma reading it retired would not be)
-    # (float32's wide layout outgrows shared memory at hidden 128)
-    layouts = ((True, (1, 2)), (False, (1, 2, 3, 4))) if md == "bfloat16" or hidden < 128 \
-        else ((True, (1, 2)),)
+    # (the wide layout outgrows shared memory past hidden 128 in bf16 — on the H100 at 192,
+    # 252 KB against 227 — and at 128 in float32)
+    layouts = ((True, (1, 2)), (False, (1, 2, 3, 4))) \
+        if hidden <= (128 if md == "bfloat16" else 64) else ((True, (1, 2)),)
     for compact, depths in layouts:
         for stages in depths:
             got = run(online, target, stages=stages, compact=compact)
@@ -450,6 +451,9 @@ def _on_hopper() -> bool:
 @pytest.mark.skipif(not _on_hopper(), reason="compiles the kernel: needs a Hopper GPU")
 @pytest.mark.parametrize("hidden,flow_idx,md", [
     (128, tuple(range(16, 24)), "bfloat16"), (64, (), "bfloat16"),
+    # wider heads than the default model's: pass on the H100 (2026-12-07, jax 0.11.2) but are
+    # no faster than XLA's path there, so COMPILED_ON_GPU does not admit them
+    (192, tuple(range(16, 24)), "bfloat16"), (256, (3, 5), "bfloat16"),
     # jax 0.11.2 on the H100 (2026-12-07, lane semantics): compiles, but 1 of 4096 actions
     # differs from the exact oracle's (TF32 products; COMPILED_ON_GPU); strict: a pass is news
     pytest.param(128, tuple(range(16, 24)), "float32", marks=pytest.mark.xfail(

@@ -80,9 +80,11 @@ forwards at s′ are the online/target pair, which the kernel reads in place
 Shapes: ``hidden`` a multiple of 64 up to 256 (float32: 192), ``Zb = 64`` (Z from 33 to
 64), B a positive multiple of 64, at most 8 order-flow features, the head's four branches
 (:func:`eligible`; otherwise the loss takes the products path). On a GPU the trainer takes
-it only at the shapes compiled and checked there (:data:`COMPILED_ON_GPU`: bf16, hidden 64
-or 128); the interpreter's tests cover the rest. Each network reads its own order flow.
-Under ``vmap`` (seeds) the sets fold into the kernel's set axis: one launch.
+it only at the shapes compiled and checked there and faster than XLA's path
+(:data:`COMPILED_ON_GPU`: bf16, hidden 64 or 128; bf16 at 192 and 256 compiles and passes
+the check but only ties or loses, one CTA per SM); the interpreter's tests cover the rest.
+Each network reads its own order flow. Under ``vmap`` (seeds) the sets fold into the
+kernel's set axis: one launch.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ from jax import lax
 
 from jdqn.networks.heads import HeadInputs
 from jdqn.pallas import double_q
-from jdqn.pallas.grn_block import (_interpret_params, _transforms, device_supported,
-                                   fold_sets, mgpu_load)
+from jdqn.pallas.grn_block import (SEMANTICS, _interpret_params, _transforms,
+                                   compiler_params, device_supported, fold_sets, mgpu_load)
 
 Array = jax.Array
 F32 = jnp.float32
@@ -108,21 +110,18 @@ STAGES = {"bfloat16": 2, "float32": 1}  # the output layers' ring: ~98 KB / ~126
 NEG = double_q._NEG  # a padded atom's bias: probability 0, no inf arithmetic
 MAX_FLOW = 8
 PROBES = ("", "mm_only")  # timing probes (bench/kernels.py), wrong values: no max/exp pass
-# Mosaic GPU's lowering semantics: "lane", the kernel's own (every layout written out), or
-# "warpgroup", which re-derives them by Mosaic GPU's layout inference. jax 0.10 defaults to
-# lane, jax 0.11 to warpgroup, whose search recursed past Python's limit on the float32 form
-# (and took ~100 s to lower it on the CPU where the limit was raised); lane lowers in seconds
-# on both versions. The kernel names lane, so both JAX versions compile the same program.
-SEMANTICS = ("lane", "warpgroup")
 
 __all__ = ["double_q_heads_mgpu", "eligible", "device_supported", "kernel_name"]
 KERNEL_NAME = "double_q_heads_mgpu"  # bf16 (in "auto")
 KERNEL_NAME_F32 = "double_q_heads_mgpu_f32"  # float32 as TF32 (not taken on a GPU)
-# The widest hidden per dtype compiled and checked on a Hopper GPU (jax 0.11.2, 2026-12-07:
-# bf16 at 64 and 128, under both semantics). float32 at hidden 128 compiles under lane
-# semantics but failed the check (1 of 4,096 actions off the exact oracle's, 50 of 65,536 off
-# XLA's path) and gains nothing on XLA's path (296.1 against 301.5 µs); a bf16 head wider than
-# 128 has not been compiled on a GPU. Neither is taken there until it has been checked.
+# The widest hidden per dtype the trainer takes on a Hopper GPU: compiled there, checked
+# against the oracle and faster than XLA's path. bf16 at 64 and 128 (jax 0.11.2, H100,
+# 2026-12-07, under both semantics): the kernel alone 127.4 against 258.0 µs at 128. bf16 at
+# 192 and 256 compiles and passes the same check (compact layout; one CTA per SM) but gains
+# nothing: 279.4 against 279.5 µs at 192, 348.7 against 340.6 at 256 (bench/kernels.py
+# --head-hidden). float32 at hidden 128 compiles under lane semantics but failed the check
+# (1 of 4,096 actions off the exact oracle's, 50 of 65,536 off XLA's path) and gains nothing
+# (296.1 against 301.5 µs). None of those is taken.
 COMPILED_ON_GPU = {"bfloat16": 128}
 
 
@@ -454,9 +453,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                                                 num_barriers=1),
                        "bar_vec1": plgpu.Barrier(num_arrivals=n_pieces, num_barriers=1),
                        "bar_w": plgpu.Barrier(num_arrivals=nh, num_barriers=s_)},
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=getattr(plgpu.LoweringSemantics,
-                                                         semantics.capitalize())),
+        compiler_params=compiler_params(True, semantics),
         interpret=_interpret_params() if interpret else None,
     )
     return kernel(pre_o, pre_t, w, vec, flow)

@@ -34,6 +34,14 @@ Triton's ``exp`` in the tail kernel), and with it the LayerNorm's ``rsqrt`` (``a
 covers both); the division is IEEE. That is jax 0.11's Mosaic GPU (the GPU image's); jax
 0.10's ``exp(approx=True)`` multiplies by ``log2 e`` but then takes the precise ``exp2``, so
 the kernel's ``exp`` bits can differ between the two versions (both read in their sources).
+The kernel writes every layout out and names Mosaic GPU's **lane** semantics
+(:func:`compiler_params`, :data:`SEMANTICS`), so both JAX versions compile the same program;
+jax 0.11's default, warpgroup, re-derives the layouts by a search. On the H100 (jax 0.11.2,
+the pair at B = 16384, H = 256, bf16) the two gave the same differences from XLA's path, at
+78.2 / 69.8 / 68.7 µs lane against 76.8 / 68.6 / 68.5 warpgroup in three runs, and the bf16
+update 1.604 / 1.587 ms against 1.589 / 1.589 over two alternated rounds (within their spread;
+``bench/results/kernels_h100_bf16_grn_block_lane_vs_warpgroup*.json``,
+``train_h100_bf16_grn_block_lane_ab.json``); its GPU tests pass under lane at every width.
 
 **float32** (``"grn_block_f32"``, taken only under ``impl = "pallas"``): wgmma's float32 path
 is TF32 and reads both operands K-major from shared memory, so the weights go in transposed
@@ -89,6 +97,12 @@ CHUNK = 64  # H and the phases' column blocks tile by this
 CHUNK_BYTES = 128  # the swizzle every block shares: a chunk is 64 bf16 or 32 float32 columns
 MAX_WIDTH = 256  # wgmma's largest N (the first product's full width)
 PROBES = ("", "no_act", "no_ln", "mm_only")  # timing probes (bench/fused_grn.py), wrong values
+# Mosaic GPU's lowering semantics: "lane", a kernel's own (every layout written out, as this
+# module's and jdqn.pallas.double_q_heads_mgpu's are), or "warpgroup", which re-derives them by
+# Mosaic GPU's layout inference, a recursive search run at every lowering. jax 0.10 defaults to
+# lane, jax 0.11 to warpgroup (whose search recursed past Python's limit on the heads kernel's
+# float32 form). Both kernels name lane, so the two JAX versions compile the same program.
+SEMANTICS = ("lane", "warpgroup")
 
 
 def _elu(z):
@@ -153,13 +167,26 @@ def _transforms(cols: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
 
 
+def compiler_params(approx: bool, semantics: str = "lane"):
+    """Mosaic GPU's compiler parameters for these kernels: ``approx_math`` (``exp`` and
+    ``rsqrt`` approximate) and the lowering ``semantics`` named (:data:`SEMANTICS`; anything
+    else is refused by name)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics must be one of {SEMANTICS}, not {semantics!r}")
+    return plgpu.CompilerParams(approx_math=approx, lowering_semantics=getattr(
+        plgpu.LoweringSemantics, semantics.capitalize()))
+
+
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()
 
 
 def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | None = None,
-            stages2: int = 3, probe: str = "", approx: bool = True, interpret: bool = False):
+            stages2: int = 3, probe: str = "", approx: bool = True, interpret: bool = False,
+            semantics: str = "lane"):
     """The block for ``P`` parameter sets at once: ``x [P, M, H]`` bf16 or float32,
     ``w_fc [P, H, H]``, ``w [P, H, 2H]`` (cast to ``x``'s dtype), the vectors ``[P, ·]``
     (float32) → ``[P, M, H]`` in ``x``'s dtype. ``stages``/``stages2``: the rings' slots for
@@ -167,7 +194,8 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
     two CTAs on an SM; ``stages`` None: that dtype's).
     ``probe`` (timing only, wrong values): ``"no_act"`` drops the ELU's and the gate's ``exp``
     (η = z, σ(g) → g), ``"no_ln"`` writes s unnormalised, ``"mm_only"`` both.
-    ``approx=False``: the precise ``exp``.
+    ``approx=False``: the precise ``exp``. ``semantics``: Mosaic GPU's lowering semantics
+    (:data:`SEMANTICS`).
 
     float32 runs wgmma's TF32 path, whose operands must be K-major in shared memory: ``x`` and
     η are (rows of the contraction), the weights are not, so they go in transposed (``W_fcᵀ``,
@@ -190,6 +218,7 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
         raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
     if stages < 1 or stages2 < 1:
         raise ValueError(f"stages = {stages}, stages2 = {stages2}: rings are 1 slot or more")
+    params = compiler_params(approx, semantics)
     kmajor = dt == F32 and not interpret  # TF32: the weights' blocks read transposed
     # float32: the gate's and value's column blocks as one N = 2·kc product (N = 32 alone
     # leaves wgmma bound by shared memory's reads)
@@ -349,7 +378,7 @@ def _kernel(x, w_fc, b_fc, w, b, scale, offset, *, eps: float, stages: int | Non
                        "bar_fc": plgpu.Barrier(num_barriers=s1_),
                        "bar_w": plgpu.Barrier(num_arrivals=2, num_barriers=s2_),
                        "bar_x": plgpu.Barrier(num_barriers=2)},
-        compiler_params=plgpu.CompilerParams(approx_math=True) if approx else None,
+        compiler_params=params,
         interpret=_interpret_params() if interpret else None,
     )
     w_fc, w = w_fc.astype(dt), w.astype(dt)
