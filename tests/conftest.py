@@ -91,6 +91,24 @@ def _no_cache_writes_in_test_processes():
     yield
 
 
+@pytest.fixture
+def mosaic_gpu_params_asked(monkeypatch):
+    """The keyword arguments of every ``plgpu.CompilerParams`` built while the test runs (a
+    spy over Mosaic GPU's compiler parameters, as the kernels ask for them): a list of dicts,
+    which the test may clear between traces."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    asked = []
+    real = plgpu.CompilerParams
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plgpu, "CompilerParams", spy)
+    return asked
+
+
 def _memory_mappings() -> tuple[int, int] | None:
     """``(this process's memory mappings, vm.max_map_count)`` on Linux, else None."""
     try:

@@ -163,7 +163,7 @@ def test_the_kernel_lowers_for_cuda_off_the_gpu(md):
         assert text.count("mosaic_gpu") >= 1
 
 
-def test_the_kernel_names_its_lowering_semantics(monkeypatch):
+def test_the_kernel_names_its_lowering_semantics(mosaic_gpu_params_asked):
     """The kernel writes every layout out (lane semantics) and says so: jax 0.11 defaults to
     warpgroup semantics, whose layout inference recursed past Python's limit on the float32
     form, so without the name the two supported JAX versions would compile different
@@ -171,14 +171,7 @@ def test_the_kernel_names_its_lowering_semantics(monkeypatch):
     refused by name."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    asked = []
-    real = plgpu.CompilerParams
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs.get("lowering_semantics"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plgpu, "CompilerParams", spy)
+    asked = mosaic_gpu_params_asked
     net = BranchingQNetwork(_cfg(64), flow_idx=(3, 5))
     obs = jax.ShapeDtypeStruct((64, 24), jnp.float32)
     params = jax.eval_shape(lambda: init_params(net, jax.random.key(0), 24))
@@ -192,7 +185,7 @@ def test_the_kernel_names_its_lowering_semantics(monkeypatch):
                                v_max=V_MAX, **kw)
         asked.clear()
         jax.jit(fn).trace(ins, ins)
-        assert asked == [want], semantics
+        assert [k.get("lowering_semantics") for k in asked] == [want], semantics
     with pytest.raises(ValueError, match="semantics must be one of"):
         jax.jit(functools.partial(double_q_heads_mgpu.double_q_heads_mgpu, z=Z, v_min=V_MIN,
                                   v_max=V_MAX, semantics="warp")).trace(ins, ins)

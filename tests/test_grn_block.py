@@ -243,29 +243,25 @@ def test_the_gpu_kernel_lowers_for_cuda_off_the_gpu_with_the_installed_jax():
     assert "mosaic_gpu" in text
 
 
-def test_the_kernel_names_lane_semantics_with_approximate_math(monkeypatch):
+def test_the_kernel_names_lane_semantics_with_approximate_math(mosaic_gpu_params_asked):
     """The kernel writes its layouts out and names Mosaic GPU's lane semantics (jax 0.11
     defaults to warpgroup, which re-derives them by a search), with ``approx_math``; the bench's
     ``semantics="warpgroup"`` and ``approx=False`` ask for those; an unknown name is refused."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    asked = []
-    real = plgpu.CompilerParams
+    def asked():
+        return [(k.get("lowering_semantics"), k.get("approx_math"))
+                for k in mosaic_gpu_params_asked]
 
-    def spy(*args, **kwargs):
-        asked.append((kwargs.get("lowering_semantics"), kwargs.get("approx_math")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plgpu, "CompilerParams", spy)
     grn_block._batched.cache_clear()  # trace afresh: the spy sees the kernel built
     _, args = _block_args(0, h=64)
     jax.jit(lambda *a: grn_block.grn_block(*a, eps=1e-6)).trace(*args)
-    assert asked == [(plgpu.LoweringSemantics.Lane, True)]
+    assert asked() == [(plgpu.LoweringSemantics.Lane, True)]
     stacked = tuple(a[None] for a in args)
-    asked.clear()
+    mosaic_gpu_params_asked.clear()
     jax.jit(functools.partial(grn_block._kernel, eps=1e-6, approx=False,
                               semantics="warpgroup")).trace(*stacked)
-    assert asked == [(plgpu.LoweringSemantics.Warpgroup, False)]
+    assert asked() == [(plgpu.LoweringSemantics.Warpgroup, False)]
     with pytest.raises(ValueError, match="semantics must be one of"):
         grn_block._kernel(*stacked, eps=1e-6, semantics="warp")
     grn_block._batched.cache_clear()

@@ -43,10 +43,10 @@ the update (``"double_q_heads_mgpu"``, the online and target heads at s′ under
 (``train_h100_bf16_double_q_heads_mgpu_ab{,2}.json``), so ``"auto"`` takes it on a Hopper GPU.
 
 The kernel writes every layout out and is lowered under Mosaic GPU's **lane** semantics, named
-in its compiler parameters (:data:`SEMANTICS`): jax 0.10 lowers that by default, jax 0.11
-lowers ``warpgroup`` semantics by default, which re-derives the layouts by a search that
-recursed past Python's limit on the float32 form and runs at every lowering, before the
-compile cache is consulted. Measured on the H100 with jax 0.11.2
+in its compiler parameters (:func:`jdqn.pallas.grn_block.compiler_params`): jax 0.10 lowers
+that by default, jax 0.11 lowers ``warpgroup`` semantics by default, which re-derives the
+layouts by a search that recursed past Python's limit on the float32 form and runs at every
+lowering, before the compile cache is consulted. Measured on the H100 with jax 0.11.2
 (``kernels_h100_bf16_double_q_heads_mgpu_lane_vs_warpgroup.json``,
 ``train_h100_bf16_double_q_heads_mgpu_lane_ab.json``): the same values, 127.4 against 125.7 µs
 alone, the update 1.587–1.601 against 1.578–1.588 ms over two alternated rounds (within their
@@ -97,8 +97,8 @@ from jax import lax
 
 from jdqn.networks.heads import HeadInputs
 from jdqn.pallas import double_q
-from jdqn.pallas.grn_block import (SEMANTICS, _interpret_params, _transforms,
-                                   compiler_params, device_supported, fold_sets, mgpu_load)
+from jdqn.pallas.grn_block import (_interpret_params, _transforms, compiler_params,
+                                   device_supported, fold_sets, mgpu_load)
 
 Array = jax.Array
 F32 = jnp.float32
@@ -200,14 +200,13 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
     (bf16 ~98 KB at ``stages = 2``: two CTAs per SM; float32 ~126 KB at ``stages = 1``: one),
     else all five streams, both networks' vectors and two branches (~190 KB: one CTA per
     SM). ``probe`` (timing only, wrong values): ``"mm_only"`` drops the max/exp passes.
-    ``semantics``: Mosaic GPU's lowering semantics (:data:`SEMANTICS`)."""
+    ``semantics``: Mosaic GPU's lowering semantics (:data:`~jdqn.pallas.grn_block.SEMANTICS`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, not {probe!r}")
-    if semantics not in SEMANTICS:
-        raise ValueError(f"semantics must be one of {SEMANTICS}, not {semantics!r}")
+    params = compiler_params(True, semantics)  # (refuses an unknown semantics by name)
     p, b = flow.shape[0], flow.shape[3]
     tm, nd = ROWS, len(sizes)
     dt = pre_o.dtype
@@ -453,7 +452,7 @@ def _kernel(pre_o, pre_t, w, vec, flow, *, offsets: tuple[int, int], sizes: tupl
                                                 num_barriers=1),
                        "bar_vec1": plgpu.Barrier(num_arrivals=n_pieces, num_barriers=1),
                        "bar_w": plgpu.Barrier(num_arrivals=nh, num_barriers=s_)},
-        compiler_params=compiler_params(True, semantics),
+        compiler_params=params,
         interpret=_interpret_params() if interpret else None,
     )
     return kernel(pre_o, pre_t, w, vec, flow)
@@ -470,8 +469,9 @@ def double_q_heads_mgpu(online: HeadInputs, target: HeadInputs | None, z: int, v
     ``[2, ...]``, online first; its ``pre`` read in place). Check :func:`eligible` first.
     Grad-free (the inputs go through ``stop_gradient``). ``interpret=True``: JAX's GPU
     interpreter (off the GPU). ``stages``: the output layers' ring slots (None: the dtype's,
-    :data:`STAGES`). ``semantics``: Mosaic GPU's lowering semantics (:data:`SEMANTICS`;
-    ``"warpgroup"`` for comparison in ``bench/kernels.py``)."""
+    :data:`STAGES`). ``semantics``: Mosaic GPU's lowering semantics
+    (:data:`~jdqn.pallas.grn_block.SEMANTICS`; ``"warpgroup"`` for comparison in
+    ``bench/kernels.py``)."""
     pair = target is None
     if not eligible(online, z, pair) or (not pair and not eligible(target, z, False)):
         raise ValueError("double_q_heads_mgpu: inputs outside the kernel's shapes (bf16 or "
