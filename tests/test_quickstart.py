@@ -58,6 +58,12 @@ def test_quickstart_beats_flat_and_random_out_of_sample(tmp_path):
     assert len(lines) >= 2 and "val" in json.loads(lines[-1])
     assert report["extra"]["epoch_compilations"] == 1
     assert len(report["folds"]) == 2
+    # What trained it (the CLI ran under this interpreter and its packages)
+    import jax
+
+    assert report["extra"]["device_kind"] == jax.devices()[0].device_kind
+    assert report["extra"]["versions"]["jax"] == jax.__version__
+    assert report["extra"]["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdqn import provenance
 from jdqn.config import Config, ConfigError, LoggingConfig, dumps_toml
 from jdqn.data import (
     SCHEMA_VERSION,
@@ -261,6 +262,7 @@ def run_job(cfg: Config, out: Path, resume: bool = False, quiet: bool = False) -
     empty dict on the processes other than 0 of a multi-host job, which write no report)."""
     t0 = time.perf_counter()
     out = Path(out)
+    provenance.warn_if_untested_jax()
     if cfg.parallel.distributed and not jax.distributed.is_initialized():
         raise ConfigError("parallel.distributed = true: this process has not joined a "
                           "multi-process job; call jdqn.train.distributed.initialize(...) "
@@ -401,6 +403,7 @@ def _test_and_report(cfg: Config, p: Prepared, state: TrainState, progress: dict
             "epoch_compilations": int(epoch_fn.compilations()),
             "devices": p.learner.n_devices, "processes": jax.process_count(),
             "platform": jax.devices()[0].platform,
+            "device_kind": jax.devices()[0].device_kind, "versions": provenance.versions(),
             "wall_seconds": time.perf_counter() - t0,
         }
         with distributed.together("writing the report"):
