@@ -54,3 +54,22 @@ def test_a_job_on_an_untested_jax_warns_before_anything_else(tmp_path, monkeypat
         with pytest.raises(ConfigError, match="has not joined a multi-process job"):
             run_job(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_tested_versions_are_the_ones_pyproject_admits():
+    # Widening (or narrowing) the pin without TESTED_JAX, or the other way round, fails here
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                            .read_text())["project"]
+    for name in ("jax", "jaxlib"):
+        (spec,) = [d for d in project["dependencies"] if re.match(rf"{name}\s*[<>=]", d)]
+        lo = re.search(r">=\s*(\d+)\.(\d+)", spec)
+        hi = re.search(r"<\s*(\d+)\.(\d+)", spec)
+        assert lo and hi, spec
+        lo, hi = (int(lo[1]), int(lo[2])), (int(hi[1]), int(hi[2]))
+        assert lo[0] == hi[0] == 0, spec  # minor versions of 0.x
+        admitted = tuple((0, m) for m in range(lo[1], hi[1]))
+        assert admitted == provenance.TESTED_JAX, spec
