@@ -146,3 +146,16 @@ def random_bars(t_len: int, n_feat: int, seed: int = 0, *, start: float = 1600.0
     h = np.maximum(o, c) + 0.25 * rng.integers(0, max_wick_ticks + 1, t_len)
     lo = np.minimum(o, c) - 0.25 * rng.integers(0, max_wick_ticks + 1, t_len)
     return rng.normal(size=(t_len, n_feat)).astype(np.float32), o, h, lo, c
+
+
+def random_biases(params, key, scale: float = 0.5):
+    """``params`` with every ``bias`` leaf drawn from N(0, scale²) (keys folded from ``key``
+    per leaf). A model initialises its biases at zero, where a bias that a kernel forgot to add
+    (or added twice) would pass unseen."""
+    import jax
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    out = [scale * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+           if jax.tree_util.keystr(path).endswith("['bias']") else x
+           for i, (path, x) in enumerate(leaves)]
+    return jax.tree_util.tree_unflatten(tree, out)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import pallas_kernel_names
+from helpers import pallas_kernel_names, random_biases
 from test_double_q import _loss_setup
 
 from jdqn.config import ModelConfig
@@ -36,7 +36,8 @@ def _inputs(matmul_dtype: str, flow_idx: tuple[int, ...], b: int, seeds=(0, 1), 
     obs = 3.0 * jax.random.normal(jax.random.key(7), (b, 24))
     out = []
     for seed in seeds:
-        params = init_params(net, jax.random.key(seed), 24)
+        params = random_biases(init_params(net, jax.random.key(seed), 24),
+                               jax.random.key(10 + seed))
         # larger output layers: logits of a few units, so the argmax is not a near-tie
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: x * 8.0 if "_out" in jax.tree_util.keystr(path) else x, params)
@@ -104,7 +105,7 @@ def test_head_inputs_give_the_head_streams_bitwise():
                       head_hidden=16, n_atoms=11, iqn=False, impl="xla",
                       matmul_dtype="bfloat16")
     net = BranchingQNetwork(cfg, flow_idx=(3, 5))
-    params = init_params(net, jax.random.key(0), 24)
+    params = random_biases(init_params(net, jax.random.key(0), 24), jax.random.key(2))
     obs = jax.random.normal(jax.random.key(1), (9, 24))
     streams = net.apply(params, obs, grad_free=True, head_streams=True)
     inputs = net.apply(params, obs, grad_free=True, head_streams="inputs")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_biases
 
 pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
 
@@ -38,12 +39,14 @@ def _cfg(hidden: int = 64, **kw) -> ModelConfig:
 @functools.cache
 def _inputs(hidden: int, flow_idx: tuple[int, ...], b: int, matmul_dtype: str = "bfloat16"):
     """Both networks' HeadInputs at the same s′ under ``matmul_dtype`` matmuls (output layers
-    scaled so that the logits spread over a few units and rows choose different actions)."""
+    scaled so that the logits spread over a few units and rows choose different actions; every
+    bias random: the init's zero biases would hide one the kernel forgot to add)."""
     net = BranchingQNetwork(_cfg(hidden, matmul_dtype=matmul_dtype), flow_idx=flow_idx)
     obs = 3.0 * jax.random.normal(jax.random.key(7), (b, 24))
     out = []
     for seed in (0, 1):
-        params = init_params(net, jax.random.key(seed), 24)
+        params = random_biases(init_params(net, jax.random.key(seed), 24),
+                               jax.random.key(10 + seed))
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: x * 4.0 if "_out" in jax.tree_util.keystr(path) else x, params)
         out.append(jax.jit(lambda p, o: net.apply(p, o, grad_free=True,
