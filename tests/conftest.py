@@ -1,8 +1,16 @@
 """Shared test set-up.
 
-Compiled XLA programs are cached on disk: the subprocesses the CLI tests start write and read
-the cache, the test processes only read it (see the fixture below), so a program a CLI run
-compiled once is not compiled again by the next.
+Compiled XLA programs are cached on disk (``.pytest_cache/xla``): the test processes and the
+subprocesses the CLI tests start all write and read the cache (a program that took at least
+0.5 s to compile), so a program compiled once — by a CLI run, by the other xdist worker, or by
+this worker before it released its programs (below) — is loaded, not compiled, the next time.
+
+The test processes used to read the cache only (2026-11-30: jaxlib 0.10.2 crashed an xdist
+worker inside a cache write, twice in CI, after the worker had compiled a few hundred
+programs). That was most likely the memory-mapping limit found on 2026-12-06 (a worker near
+``vm.max_map_count`` died compiling; the fixture below now keeps workers far from it). With
+writes back on, the whole suite on a clean clone took 14:56 against 16:18 read-only in the
+same machine session (docs/performance_history.md, "Test suite").
 """
 
 import os
@@ -75,20 +83,6 @@ def default_pipeline_env(**extra: str) -> dict[str, str]:
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
-
-
-@pytest.fixture(autouse=True)
-def _no_cache_writes_in_test_processes():
-    """The test processes read the persistent compilation cache but do not write it; the CLI
-    subprocesses the tests start still write (they take the 0.5 s threshold from the
-    environment above). jaxlib 0.10.2's CPU executable serialisation, which only a cache write
-    calls, crashed an xdist worker twice in CI with a segmentation fault (the same test's
-    epoch program, after the worker had compiled a few hundred others; never in a fresh
-    process). An in-process ``jdqn.main`` call re-enables writes until the next test."""
-    import jax
-
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
 
 
 @pytest.fixture
